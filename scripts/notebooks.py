@@ -1,0 +1,283 @@
+"""Generate each chapter's exercise and solution workbooks from its one source.
+
+A workbook source is `exercises/source/NN_topic.py`, in jupytext's percent format, with two extra
+cell kinds:
+
+    # %% [exercise] transformer_course.tokenization:merge
+    # hint: Walk left to right; after a merge skip both tokens of the pair.
+
+is replaced by the real code of `merge` from `src/` in the solution workbook, and by the same
+signature and docstring with `raise NotImplementedError(hint)` in the exercise workbook. For a
+class, `# %% [exercise] transformer_course.layernorm:LayerNorm blank=forward` blanks only the
+named methods (`# hint forward: ...` gives a per-method hint).
+
+    # %% [check]
+
+is an ordinary code cell that exercises a learner's code; in the exercise workbook it carries
+the `raises-exception` tag, because blanks fail their checks until the learner fills them in.
+Any cell header may end in `tags=a,b` to add notebook cell tags (`nbval-ignore-output`, ...).
+
+Usage:
+    python scripts/notebooks.py            # regenerate exercises/ and solutions/
+    python scripts/notebooks.py --execute  # ... and store fresh outputs in solutions/ and book/
+    python scripts/notebooks.py --check    # exit 1 if a generated workbook is stale
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import importlib
+import inspect
+import re
+import sys
+import textwrap
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import nbformat
+
+ROOT = Path(__file__).resolve().parents[1]
+SOURCES = ROOT / "exercises" / "source"
+HEADER = re.compile(r"^# %%(?: \[(?P<kind>[a-z]+)\])?(?P<rest>.*)$")
+COLAB_CELL = """\
+# On Colab, install the course package first (elsewhere this cell does nothing).
+import sys
+
+if "google.colab" in sys.modules:
+    %pip install --quiet "transformer-course @ git+{repo}"\
+"""
+
+
+@dataclass
+class SourceCell:
+    kind: str  # "markdown", "code", "exercise" or "check"
+    lines: list[str]
+    target: str = ""
+    blank: list[str] = field(default_factory=list)
+    tags: list[str] = field(default_factory=list)
+
+
+def parse_source(path: Path) -> list[SourceCell]:
+    """Split a percent-format source into cells."""
+    cells: list[SourceCell] = []
+    for number, line in enumerate(path.read_text().splitlines(), start=1):
+        header = HEADER.match(line)
+        if header is None:
+            if not cells:
+                if line.strip():
+                    raise ValueError(f"{path}:{number}: text before the first '# %%' cell header")
+                continue
+            cells[-1].lines.append(line)
+            continue
+        kind = header["kind"] or "code"
+        if kind not in ("code", "markdown", "exercise", "check"):
+            raise ValueError(f"{path}:{number}: unknown cell kind [{kind}]")
+        cell = SourceCell(kind, [])
+        for word in header["rest"].split():
+            if word.startswith("tags="):
+                cell.tags += word.removeprefix("tags=").split(",")
+            elif word.startswith("blank="):
+                cell.blank += word.removeprefix("blank=").split(",")
+            elif kind == "exercise" and not cell.target:
+                cell.target = word
+            else:
+                raise ValueError(f"{path}:{number}: unexpected {word!r} in cell header")
+        if kind == "exercise" and not cell.target:
+            raise ValueError(f"{path}:{number}: [exercise] needs a target such as module:function")
+        cells.append(cell)
+    return cells
+
+
+def _strip(lines: list[str]) -> str:
+    """Drop blank lines at both ends of a cell."""
+    return "\n".join(lines).strip("\n")
+
+
+def _markdown(lines: list[str]) -> str:
+    return _strip([line[2:] if line.startswith("# ") else line.lstrip("#") for line in lines])
+
+
+def _hints(cell: SourceCell) -> dict[str, str]:
+    """`# hint: text` (for every blank) and `# hint name: text` (for one method)."""
+    hints = {}
+    for line in cell.lines:
+        match = re.match(r"^#\s*hint(?:\s+(\w+))?:\s*(.+)$", line.strip())
+        if match is None:
+            if line.strip():
+                raise ValueError(f"[exercise] {cell.target}: only '# hint ...' lines belong here, got {line!r}")
+            continue
+        hints[match[1] or "*"] = match[2]
+    return hints
+
+
+def resolve(target: str) -> object:
+    module_name, _, qualname = target.partition(":")
+    obj: object = importlib.import_module(module_name)
+    for part in qualname.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def blank_out(source: str, names: list[str], hints: dict[str, str]) -> str:
+    """Replace the bodies of the named functions in `source` with `raise NotImplementedError`.
+
+    The signature, decorators and docstring are kept exactly as written in src.
+    """
+    lines = source.splitlines()
+    tree = ast.parse(source)
+    functions = {
+        node.name: node
+        for node in ast.walk(tree)
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+    }
+    for name in names:
+        if name not in functions:
+            raise ValueError(f"blank={name}: no function or method of that name in the target")
+    # Work bottom-up so earlier line numbers stay valid.
+    for node in sorted((functions[n] for n in names), key=lambda n: n.lineno, reverse=True):
+        body = node.body
+        has_docstring = (
+            isinstance(body[0], ast.Expr)
+            and isinstance(body[0].value, ast.Constant)
+            and isinstance(body[0].value.value, str)
+        )
+        first = body[1] if has_docstring and len(body) > 1 else body[0]
+        if has_docstring and len(body) == 1:
+            raise ValueError(f"blank={node.name}: the function has nothing but a docstring")
+        indent = re.match(r"\s*", lines[first.lineno - 1])[0]
+        hint = hints.get(node.name, hints.get("*", f"implement {node.name}"))
+        start = body[0].end_lineno if has_docstring else body[0].lineno - 1
+        end = node.end_lineno
+        lines[start:end] = [f"{indent}raise NotImplementedError({hint!r})"]
+    return "\n".join(lines)
+
+
+def exercise_code(cell: SourceCell, *, solution: bool) -> str:
+    obj = resolve(cell.target)
+    source = textwrap.dedent(inspect.getsource(obj)).rstrip("\n")
+    if solution:
+        return source
+    hints = _hints(cell)
+    names = cell.blank or [cell.target.rpartition(":")[2].rpartition(".")[2]]
+    if inspect.isclass(obj) and not cell.blank:
+        raise ValueError(f"[exercise] {cell.target}: a class needs blank=method[,method]")
+    return blank_out(source, names, hints)
+
+
+def build(source: Path, *, solution: bool, repo_url: str | None) -> nbformat.NotebookNode:
+    """The exercise (solution=False) or solution (solution=True) workbook for one source."""
+    notebook = nbformat.v4.new_notebook()
+    notebook.metadata = {
+        "kernelspec": {"display_name": "Python 3", "language": "python", "name": "python3"},
+        "language_info": {"name": "python"},
+    }
+    cells = parse_source(source)
+    if repo_url:
+        colab = nbformat.v4.new_code_cell(COLAB_CELL.format(repo=repo_url))
+        colab.metadata["tags"] = ["colab"]
+        notebook.cells.append(colab)
+    for cell in cells:
+        if cell.kind == "markdown":
+            new = nbformat.v4.new_markdown_cell(_markdown(cell.lines))
+        elif cell.kind == "exercise":
+            new = nbformat.v4.new_code_cell(exercise_code(cell, solution=solution))
+        else:
+            new = nbformat.v4.new_code_cell(_strip(cell.lines))
+        tags = list(cell.tags)
+        if cell.kind == "check" and not solution:
+            tags.append("raises-exception")
+        if tags:
+            new.metadata["tags"] = tags
+        notebook.cells.append(new)
+    # Stable ids keep regenerated notebooks byte-identical.
+    for index, cell in enumerate(notebook.cells):
+        cell["id"] = f"cell-{index:03d}"
+    return notebook
+
+
+def repository_url() -> str | None:
+    """The repository URL from `_config.yml` (`repository.url`), if the course has one."""
+    config = ROOT / "_config.yml"
+    if not config.exists():
+        return None
+    match = re.search(r"^repository:\s*\n(?:\s+.*\n)*?\s+url:\s*(\S+)", config.read_text(), re.M)
+    return match[1] if match else None
+
+
+def outputs_key(cell: nbformat.NotebookNode) -> tuple:
+    return (cell.cell_type, cell.source, tuple(cell.metadata.get("tags", [])))
+
+
+def stale(path: Path, expected: nbformat.NotebookNode) -> bool:
+    """True if the stored notebook's cells differ from the generated ones (outputs aside)."""
+    if not path.exists():
+        return True
+    stored = nbformat.read(path, as_version=4)
+    return [outputs_key(c) for c in stored.cells] != [outputs_key(c) for c in expected.cells]
+
+
+def keep_outputs(path: Path, notebook: nbformat.NotebookNode) -> None:
+    """Carry stored outputs over to cells whose source did not change."""
+    if not path.exists():
+        return
+    stored = {outputs_key(c): c for c in nbformat.read(path, as_version=4).cells if c.cell_type == "code"}
+    for cell in notebook.cells:
+        old = stored.get(outputs_key(cell))
+        if cell.cell_type == "code" and old is not None:
+            cell.outputs, cell.execution_count = old.outputs, old.execution_count
+
+
+def execute(path: Path) -> None:
+    """Run a notebook top to bottom in this Python environment and store its outputs."""
+    from nbclient import NotebookClient
+
+    notebook = nbformat.read(path, as_version=4)
+    NotebookClient(notebook, timeout=1800, kernel_name="python3", resources={"metadata": {"path": str(path.parent)}}).execute()
+    nbformat.write(notebook, path)
+
+
+def workbook_paths(source: Path) -> tuple[Path, Path]:
+    return ROOT / "exercises" / f"{source.stem}.ipynb", ROOT / "solutions" / f"{source.stem}.ipynb"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--check", action="store_true", help="only report stale workbooks")
+    parser.add_argument("--execute", action="store_true", help="store fresh outputs in solutions/ and book/")
+    parser.add_argument("chapters", nargs="*", help="source stems to process, e.g. 01_tokenization (default: all)")
+    args = parser.parse_args(argv)
+    sys.path.insert(0, str(ROOT / "src"))
+    repo = repository_url()
+    sources = sorted(SOURCES.glob("*.py"))
+    if args.chapters:
+        sources = [s for s in sources if s.stem in args.chapters]
+    problems = []
+    for source in sources:
+        exercise_path, solution_path = workbook_paths(source)
+        for path, solution in ((exercise_path, False), (solution_path, True)):
+            notebook = build(source, solution=solution, repo_url=repo)
+            if args.check:
+                if stale(path, notebook):
+                    problems.append(path.relative_to(ROOT))
+                continue
+            if solution:
+                keep_outputs(path, notebook)
+            nbformat.write(notebook, path)
+            if solution and args.execute:
+                execute(path)
+            print(f"wrote {path.relative_to(ROOT)}")
+    if args.execute and not args.check:
+        for page in sorted((ROOT / "book").glob("*.ipynb")):
+            if args.chapters and not any(page.stem.startswith(c.split("_")[0]) for c in args.chapters):
+                continue
+            execute(page)
+            print(f"executed {page.relative_to(ROOT)}")
+    if problems:
+        print("stale (run `python scripts/notebooks.py`):", *problems, sep="\n  ")
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,54 @@
+"""Profiles, devices and seeding: the few knobs every notebook and script shares.
+
+`COURSE_PROFILE=quick|full` picks model and data sizes. The default is `full` on CUDA and
+`quick` elsewhere, so CPU runs (and CI) stay fast while a GPU gives the real results.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+from typing import TypeVar
+
+import numpy as np
+import torch
+
+PROFILES = ("quick", "full")
+T = TypeVar("T")
+
+
+def get_device() -> torch.device:
+    """The best available device: CUDA, then Apple's MPS, then the CPU."""
+    if torch.cuda.is_available():
+        return torch.device("cuda")
+    if getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available():
+        return torch.device("mps")
+    return torch.device("cpu")
+
+
+def get_profile() -> str:
+    """The active profile: `$COURSE_PROFILE`, else `full` on CUDA and `quick` elsewhere."""
+    profile = os.environ.get("COURSE_PROFILE", "").strip().lower()
+    if not profile:
+        return "full" if get_device().type == "cuda" else "quick"
+    if profile not in PROFILES:
+        raise ValueError(f"COURSE_PROFILE must be one of {PROFILES}, got {profile!r}")
+    return profile
+
+
+def pick(*, quick: T, full: T) -> T:
+    """Choose a setting by profile: `n_steps = pick(quick=200, full=5000)`."""
+    return full if get_profile() == "full" else quick
+
+
+def seed_everything(seed: int = 0) -> None:
+    """Seed Python, NumPy and PyTorch (all devices) so a rerun gives the same numbers."""
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def describe() -> str:
+    """One line saying which profile and device this run uses, for the top of every notebook."""
+    device = get_device()
+    return f"profile={get_profile()} device={device.type} torch={torch.__version__}"
