@@ -1,0 +1,84 @@
+"""Layer normalisation (Ba et al., 2016) and RMSNorm (Zhang & Sennrich, 2019).
+
+Both normalise each position's vector over its last dimension, `d_model`, so every token is
+treated on its own: no statistics are shared across the batch or along the sequence. Parameter
+and hook names follow TransformerLens, so a TransformerLens `LayerNorm` or `RMSNorm` state dict
+loads directly.
+"""
+
+from __future__ import annotations
+
+import torch
+from jaxtyping import Float
+from torch import Tensor, nn
+from transformer_lens.hook_points import HookPoint
+
+
+def _check_input(x: Tensor, d_model: int) -> None:
+    """Raise a clear error unless the last dimension of `x` is `d_model`."""
+    if not isinstance(x, Tensor):
+        raise TypeError(f"x: expected a torch.Tensor, got {type(x).__name__}")
+    if x.ndim == 0 or x.shape[-1] != d_model:
+        got = x.shape[-1] if x.ndim else "none (a 0-d tensor)"
+        raise ValueError(f"x: expected last dim d_model={d_model}, got {got} (shape {tuple(x.shape)})")
+    if not x.is_floating_point():
+        raise TypeError(f"x: expected a floating-point tensor, got dtype {x.dtype}")
+
+
+class LayerNorm(nn.Module):
+    """Normalise each vector to zero mean and unit variance, then scale by `w` and shift by `b`.
+
+    The variance is the biased one (divide by `d_model`, as `torch.nn.LayerNorm` does) and `eps`
+    sits inside the square root, so a constant vector gives `b` rather than a division by zero.
+    """
+
+    def __init__(self, d_model: int, eps: float = 1e-5):
+        super().__init__()
+        if d_model < 1:
+            raise ValueError(f"d_model: expected a positive size, got {d_model}")
+        if eps < 0:
+            raise ValueError(f"eps: expected a non-negative number, got {eps}")
+        self.d_model = d_model
+        self.eps = eps
+        self.w = nn.Parameter(torch.ones(d_model))
+        self.b = nn.Parameter(torch.zeros(d_model))
+        self.hook_scale = HookPoint()  # [*batch, 1]: the standard deviation each vector is divided by
+        self.hook_normalized = HookPoint()  # [*batch, d_model]: before the learned scale and shift
+
+    def forward(self, x: Float[Tensor, "*batch d_model"]) -> Float[Tensor, "*batch d_model"]:
+        _check_input(x, self.d_model)
+        x = x - x.mean(dim=-1, keepdim=True)
+        variance = x.pow(2).mean(dim=-1, keepdim=True)  # biased: divide by d_model, not d_model - 1
+        scale: Float[Tensor, "*batch 1"] = self.hook_scale((variance + self.eps).sqrt())
+        x = self.hook_normalized(x / scale)
+        return x * self.w + self.b
+
+    def extra_repr(self) -> str:
+        return f"d_model={self.d_model}, eps={self.eps}"
+
+
+class RMSNorm(nn.Module):
+    """Divide each vector by its root mean square, then scale by `w`: layer norm without the
+    centring and without the shift, used by LLaMA, T5 and most recent models."""
+
+    def __init__(self, d_model: int, eps: float = 1e-6):
+        super().__init__()
+        if d_model < 1:
+            raise ValueError(f"d_model: expected a positive size, got {d_model}")
+        if eps < 0:
+            raise ValueError(f"eps: expected a non-negative number, got {eps}")
+        self.d_model = d_model
+        self.eps = eps
+        self.w = nn.Parameter(torch.ones(d_model))
+        self.hook_scale = HookPoint()  # [*batch, 1]: the root mean square each vector is divided by
+        self.hook_normalized = HookPoint()  # [*batch, d_model]: before the learned scale
+
+    def forward(self, x: Float[Tensor, "*batch d_model"]) -> Float[Tensor, "*batch d_model"]:
+        _check_input(x, self.d_model)
+        mean_square = x.pow(2).mean(dim=-1, keepdim=True)
+        scale: Float[Tensor, "*batch 1"] = self.hook_scale((mean_square + self.eps).sqrt())
+        x = self.hook_normalized(x / scale)
+        return x * self.w
+
+    def extra_repr(self) -> str:
+        return f"d_model={self.d_model}, eps={self.eps}"

@@ -1,0 +1,113 @@
+"""Attention masks: who may look at whom.
+
+Every mask here is boolean with **True = may attend**, the convention of
+`torch.nn.functional.scaled_dot_product_attention`. Masks broadcast against attention
+scores of shape `(batch, head, q_pos, k_pos)`:
+
+* `causal_mask(q_len, k_len)` is `(q_pos, k_pos)`: no query sees a later key;
+* `padding_mask(tokens, pad_id)` is `(batch, 1, 1, k_pos)`: no query sees a padding key;
+* `combine_masks(...)` ANDs any of them together.
+
+`masked_softmax` turns scores and a mask into an attention pattern without ever producing NaN:
+masked scores are filled with the most negative *finite* number of the dtype (not -inf), and a
+query row with no allowed key gets an all-zero pattern.
+"""
+
+from __future__ import annotations
+
+import torch
+from jaxtyping import Bool, Float, Int
+from torch import Tensor
+
+__all__ = ["causal_mask", "padding_mask", "combine_masks", "fill_masked", "masked_softmax"]
+
+
+def _check_length(name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name}: expected a positive int, got {value!r}")
+    return value
+
+
+def causal_mask(q_len: int, k_len: int | None = None, *, device: torch.device | str | None = None) -> Bool[Tensor, "q_pos k_pos"]:
+    """The causal mask: query `i` may attend to key `j` iff `j <= i + (k_len - q_len)`.
+
+    With `k_len == q_len` (the default) this is the lower triangle, diagonal included: a token
+    sees itself and everything before it. With `k_len > q_len` the queries are the *last*
+    `q_len` positions of a sequence of `k_len` (a KV cache holds the earlier keys), so the
+    last query sees every key.
+    """
+    q_len = _check_length("q_len", q_len)
+    k_len = q_len if k_len is None else _check_length("k_len", k_len)
+    if k_len < q_len:
+        raise ValueError(
+            f"k_len: expected k_len >= q_len={q_len} (queries are the last positions of the keys), got {k_len}"
+        )
+    allowed = torch.ones(q_len, k_len, dtype=torch.bool, device=device)
+    return allowed.tril(diagonal=k_len - q_len)
+
+
+def padding_mask(tokens: Int[Tensor, "batch k_pos"], pad_id: int) -> Bool[Tensor, "batch 1 1 k_pos"]:
+    """True where a key is a real token, False where it is padding.
+
+    Shaped `(batch, 1, 1, k_pos)` so it broadcasts over heads and *queries*: padding is a
+    property of keys. (Padded query rows still produce outputs; the loss ignores them.)
+    """
+    if not isinstance(tokens, Tensor) or tokens.ndim != 2:
+        shape = tuple(tokens.shape) if isinstance(tokens, Tensor) else type(tokens).__name__
+        raise ValueError(f"tokens: expected an integer tensor of shape (batch, k_pos), got {shape}")
+    if tokens.is_floating_point() or tokens.is_complex() or tokens.dtype == torch.bool:
+        raise ValueError(f"tokens: expected an integer dtype, got {tokens.dtype}")
+    if isinstance(pad_id, bool) or not isinstance(pad_id, int):
+        raise ValueError(f"pad_id: expected an int, got {pad_id!r}")
+    return (tokens != pad_id)[:, None, None, :]
+
+
+def combine_masks(*masks: Bool[Tensor, "..."] | None) -> Bool[Tensor, "..."] | None:
+    """AND boolean masks together with broadcasting; `None` means "no restriction".
+
+    `combine_masks(causal_mask(T), padding_mask(tokens, pad))` is `(batch, 1, T, T)`:
+    a query sees a key only if it is not in the future *and* not padding.
+    """
+    combined = None
+    for index, mask in enumerate(masks):
+        if mask is None:
+            continue
+        if not isinstance(mask, Tensor) or mask.dtype != torch.bool:
+            got = mask.dtype if isinstance(mask, Tensor) else type(mask).__name__
+            raise ValueError(f"masks[{index}]: expected a bool tensor (True = may attend), got {got}")
+        if combined is None:
+            combined = mask
+            continue
+        try:
+            torch.broadcast_shapes(combined.shape, mask.shape)
+        except RuntimeError:
+            raise ValueError(
+                f"masks[{index}]: shape {tuple(mask.shape)} does not broadcast with the "
+                f"earlier masks' shape {tuple(combined.shape)}"
+            ) from None
+        combined = combined & mask
+    return combined
+
+
+def fill_masked(scores: Float[Tensor, "... q_pos k_pos"], mask: Bool[Tensor, "... q_pos k_pos"] | None) -> Float[Tensor, "... q_pos k_pos"]:
+    """Replace the scores of forbidden keys by the most negative finite value of the dtype.
+
+    Not -inf: a row whose keys are *all* forbidden would then be softmax(-inf, ..., -inf) = NaN.
+    A finite fill still gives those entries weight exp(min - max) = 0 in any row that has one
+    allowed key.
+    """
+    if mask is None:
+        return scores
+    return scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
+
+
+def masked_softmax(scores: Float[Tensor, "... q_pos k_pos"], mask: Bool[Tensor, "... q_pos k_pos"] | None = None) -> Float[Tensor, "... q_pos k_pos"]:
+    """Softmax over keys (the last dim) that ignores forbidden keys and never returns NaN.
+
+    A query row with no allowed key gets an all-zero pattern (and so a zero output and zero
+    gradients), which is also what `torch.nn.functional.scaled_dot_product_attention` returns.
+    """
+    if mask is None:
+        return scores.softmax(dim=-1)
+    pattern = fill_masked(scores, mask).softmax(dim=-1)
+    return pattern.masked_fill(~mask, 0.0)
