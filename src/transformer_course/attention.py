@@ -1,0 +1,212 @@
+"""Scaled dot-product attention and multi-head attention.
+
+Attention is a soft database lookup: each query is compared with every key, the scores are
+turned into weights by a softmax over the keys, and the output is the weighted average of the
+values. `MultiHeadAttention` runs `n_heads` such lookups in parallel on learned projections of
+the input and sums their projected outputs.
+
+Shapes and parameter names follow TransformerLens (`W_Q` is `(n_heads, d_model, d_head)`, ...),
+so a TransformerLens `Attention` state dict loads directly, and the hook points have the same
+names (`hook_q`, `hook_pattern`, ...), so `run_with_cache` shows every intermediate tensor.
+Masks are boolean with True = may attend (see `transformer_course.masking`).
+"""
+
+from __future__ import annotations
+
+import math
+
+import einops
+import torch
+import torch.nn.functional as F
+from jaxtyping import Bool, Float
+from torch import Tensor, nn
+from transformer_lens.hook_points import HookPoint
+from transformer_lens.HookedRootModule import HookedRootModule
+
+from transformer_course.masking import fill_masked, masked_softmax
+
+__all__ = ["attention_scores", "scaled_dot_product_attention", "validate_qkv", "MultiHeadAttention"]
+
+
+def _shape(t: Tensor) -> tuple[int, ...]:
+    return tuple(t.shape)
+
+
+def validate_qkv(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None) -> None:
+    """Raise a ValueError naming the argument if q, k, v or mask cannot go through attention."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, Tensor) or t.ndim < 2 or not t.is_floating_point():
+            got = f"{t.dtype} tensor of shape {_shape(t)}" if isinstance(t, Tensor) else type(t).__name__
+            raise ValueError(f"{name}: expected a floating-point tensor of shape (..., pos, d), got {got}")
+        if t.dtype != q.dtype:
+            raise ValueError(f"{name}: expected dtype {q.dtype} (the dtype of q), got {t.dtype}")
+    if k.shape[-1] != q.shape[-1]:
+        raise ValueError(
+            f"k: expected last dim d_head={q.shape[-1]} (the last dim of q), got {k.shape[-1]} (shape {_shape(k)})"
+        )
+    if v.shape[-2] != k.shape[-2]:
+        raise ValueError(
+            f"v: expected k_pos={k.shape[-2]} positions (dim -2 of k), got {v.shape[-2]} (shape {_shape(v)})"
+        )
+    try:
+        batch = torch.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2])
+    except RuntimeError:
+        raise ValueError(
+            f"k, v: batch dims must broadcast with q's; got q {_shape(q)}, k {_shape(k)}, v {_shape(v)}"
+        ) from None
+    if mask is None:
+        return
+    if not isinstance(mask, Tensor) or mask.dtype != torch.bool:
+        got = mask.dtype if isinstance(mask, Tensor) else type(mask).__name__
+        raise ValueError(f"mask: expected a bool tensor (True = may attend), got {got}")
+    scores_shape = (*batch, q.shape[-2], k.shape[-2])
+    try:
+        fits = torch.broadcast_shapes(mask.shape, scores_shape) == torch.Size(scores_shape)
+    except RuntimeError:
+        fits = False
+    if not fits:
+        raise ValueError(
+            f"mask: expected a shape broadcastable to the scores' {scores_shape} "
+            f"(..., q_pos, k_pos), got {_shape(mask)}"
+        )
+
+
+def attention_scores(
+    q: Float[Tensor, "... q_pos d_head"], k: Float[Tensor, "... k_pos d_head"]
+) -> Float[Tensor, "... q_pos k_pos"]:
+    """Every query dotted with every key, divided by sqrt(d_head).
+
+    Without the scaling the dot product of two random unit-variance vectors has variance
+    d_head, so large heads push the softmax into saturation where its gradient vanishes.
+    """
+    scores = einops.einsum(q, k, "... q_pos d_head, ... k_pos d_head -> ... q_pos k_pos")
+    return scores / math.sqrt(q.shape[-1])
+
+
+def scaled_dot_product_attention(
+    q: Float[Tensor, "... q_pos d_head"],
+    k: Float[Tensor, "... k_pos d_head"],
+    v: Float[Tensor, "... k_pos d_v"],
+    mask: Bool[Tensor, "... q_pos k_pos"] | None = None,
+) -> tuple[Float[Tensor, "... q_pos d_v"], Float[Tensor, "... q_pos k_pos"]]:
+    """softmax(q k^T / sqrt(d_head)) v, returning the output and the attention pattern.
+
+    The softmax runs over keys: each query's weights sum to one (or are all zero when the
+    mask forbids every key of that query).
+    """
+    validate_qkv(q, k, v, mask)
+    pattern = masked_softmax(attention_scores(q, k), mask)
+    out = einops.einsum(pattern, v, "... q_pos k_pos, ... k_pos d_v -> ... q_pos d_v")
+    return out, pattern
+
+
+class MultiHeadAttention(HookedRootModule):
+    """Multi-head attention with TransformerLens parameter names, shapes and hook points.
+
+    `forward(x)` is self-attention; `forward(x, context)` is cross-attention, with queries
+    from `x` and keys and values from `context` (the encoder output in chapter 5).
+
+    Two paths compute the same thing. The default materialises the attention pattern with
+    einsums, so `hook_attn_scores` and `hook_pattern` can be inspected. Set
+    `use_fast_path=True` (in the constructor, or later as an attribute) to call
+    `torch.nn.functional.scaled_dot_product_attention` instead: faster and lighter on memory
+    for training, but the pattern hooks are not run.
+    """
+
+    def __init__(
+        self,
+        d_model: int,
+        n_heads: int,
+        d_head: int | None = None,
+        bias: bool = True,
+        *,
+        use_fast_path: bool = False,
+    ) -> None:
+        super().__init__()
+        for name, value in (("d_model", d_model), ("n_heads", n_heads)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}: expected a positive int, got {value!r}")
+        if d_head is None:
+            if d_model % n_heads:
+                raise ValueError(
+                    f"d_model: expected a multiple of n_heads={n_heads} when d_head is not given, got {d_model}"
+                )
+            d_head = d_model // n_heads
+        elif isinstance(d_head, bool) or not isinstance(d_head, int) or d_head < 1:
+            raise ValueError(f"d_head: expected a positive int or None, got {d_head!r}")
+        self.d_model, self.n_heads, self.d_head = d_model, n_heads, d_head
+        self.use_fast_path = use_fast_path
+
+        self.W_Q = nn.Parameter(torch.empty(n_heads, d_model, d_head))
+        self.W_K = nn.Parameter(torch.empty(n_heads, d_model, d_head))
+        self.W_V = nn.Parameter(torch.empty(n_heads, d_model, d_head))
+        self.W_O = nn.Parameter(torch.empty(n_heads, d_head, d_model))
+        for name, shape in (("b_Q", (n_heads, d_head)), ("b_K", (n_heads, d_head)), ("b_V", (n_heads, d_head)), ("b_O", (d_model,))):
+            self.register_parameter(name, nn.Parameter(torch.empty(shape)) if bias else None)
+        self.reset_parameters()
+
+        self.hook_q = HookPoint()  # (batch, q_pos, head, d_head)
+        self.hook_k = HookPoint()  # (batch, k_pos, head, d_head)
+        self.hook_v = HookPoint()  # (batch, k_pos, head, d_head)
+        self.hook_attn_scores = HookPoint()  # (batch, head, q_pos, k_pos), masked, before softmax
+        self.hook_pattern = HookPoint()  # (batch, head, q_pos, k_pos)
+        self.hook_z = HookPoint()  # (batch, q_pos, head, d_head)
+        self.setup()
+
+    def reset_parameters(self) -> None:
+        """GPT-2 initialisation: weights from N(0, 0.02^2), biases zero."""
+        for weight in (self.W_Q, self.W_K, self.W_V, self.W_O):
+            nn.init.normal_(weight, std=0.02)
+        for bias in (self.b_Q, self.b_K, self.b_V, self.b_O):
+            if bias is not None:
+                nn.init.zeros_(bias)
+
+    def _check_input(self, name: str, t: Tensor, batch: int | None = None) -> None:
+        if not isinstance(t, Tensor) or t.ndim != 3 or t.shape[-1] != self.d_model:
+            got = f"shape {_shape(t)}" if isinstance(t, Tensor) else type(t).__name__
+            raise ValueError(f"{name}: expected shape (batch, pos, d_model={self.d_model}), got {got}")
+        if batch is not None and t.shape[0] != batch:
+            raise ValueError(f"{name}: expected batch size {batch} (the batch size of x), got {t.shape[0]}")
+
+    def forward(
+        self,
+        x: Float[Tensor, "batch q_pos d_model"],
+        context: Float[Tensor, "batch k_pos d_model"] | None = None,
+        mask: Bool[Tensor, "... q_pos k_pos"] | None = None,
+    ) -> Float[Tensor, "batch q_pos d_model"]:
+        """Attend from every position of `x` to every allowed position of `context` (default `x`).
+
+        `mask` is boolean, True = may attend, broadcastable to (batch, head, q_pos, k_pos):
+        e.g. `causal_mask(q_pos)` or `padding_mask(tokens, pad_id)`.
+        """
+        self._check_input("x", x)
+        if context is None:
+            context = x
+        else:
+            self._check_input("context", context, batch=x.shape[0])
+
+        def project(inp: Tensor, W: Tensor, b: Tensor | None) -> Tensor:
+            out = einops.einsum(inp, W, "batch pos d_model, head d_model d_head -> batch pos head d_head")
+            return out if b is None else out + b
+
+        q = self.hook_q(project(x, self.W_Q, self.b_Q))
+        k = self.hook_k(project(context, self.W_K, self.b_K))
+        v = self.hook_v(project(context, self.W_V, self.b_V))
+        # Heads become a batch dimension: (batch, head, pos, d_head).
+        q, k, v = (einops.rearrange(t, "batch pos head d_head -> batch head pos d_head") for t in (q, k, v))
+        validate_qkv(q, k, v, mask)
+
+        if self.use_fast_path:
+            z = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+            if mask is not None:  # rows with no allowed key are zero, whichever kernel ran
+                z = z.masked_fill(~mask.any(dim=-1, keepdim=True), 0.0)
+        else:
+            scores = self.hook_attn_scores(fill_masked(attention_scores(q, k), mask))
+            pattern = self.hook_pattern(masked_softmax(scores, mask))
+            z = einops.einsum(pattern, v, "batch head q_pos k_pos, batch head k_pos d_head -> batch head q_pos d_head")
+        z = self.hook_z(einops.rearrange(z, "batch head q_pos d_head -> batch q_pos head d_head"))
+
+        # Concatenating the heads and multiplying by a (head d_head, d_model) matrix is the same
+        # as projecting each head with its own W_O[head] and summing over heads.
+        out = einops.einsum(z, self.W_O, "batch q_pos head d_head, head d_head d_model -> batch q_pos d_model")
+        return out if self.b_O is None else out + self.b_O
