@@ -14,15 +14,15 @@ from torch import Tensor, nn
 from transformer_lens.hook_points import HookPoint
 
 
-def _check_input(x: Tensor, d_model: int) -> None:
-    """Raise a clear error unless the last dimension of `x` is `d_model`."""
+def check_last_dim(x: Tensor, d_model: int, name: str = "x") -> None:
+    """Raise a clear error unless `x` is a floating-point tensor whose last dimension is `d_model`."""
     if not isinstance(x, Tensor):
-        raise TypeError(f"x: expected a torch.Tensor, got {type(x).__name__}")
+        raise TypeError(f"{name}: expected a torch.Tensor, got {type(x).__name__}")
     if x.ndim == 0 or x.shape[-1] != d_model:
         got = x.shape[-1] if x.ndim else "none (a 0-d tensor)"
-        raise ValueError(f"x: expected last dim d_model={d_model}, got {got} (shape {tuple(x.shape)})")
+        raise ValueError(f"{name}: expected last dim d_model={d_model}, got {got} (shape {tuple(x.shape)})")
     if not x.is_floating_point():
-        raise TypeError(f"x: expected a floating-point tensor, got dtype {x.dtype}")
+        raise TypeError(f"{name}: expected a floating-point tensor, got dtype {x.dtype}")
 
 
 class LayerNorm(nn.Module):
@@ -46,7 +46,7 @@ class LayerNorm(nn.Module):
         self.hook_normalized = HookPoint()  # [*batch, d_model]: before the learned scale and shift
 
     def forward(self, x: Float[Tensor, "*batch d_model"]) -> Float[Tensor, "*batch d_model"]:
-        _check_input(x, self.d_model)
+        check_last_dim(x, self.d_model)
         x = x - x.mean(dim=-1, keepdim=True)
         variance = x.pow(2).mean(dim=-1, keepdim=True)  # biased: divide by d_model, not d_model - 1
         scale: Float[Tensor, "*batch 1"] = self.hook_scale((variance + self.eps).sqrt())
@@ -74,7 +74,7 @@ class RMSNorm(nn.Module):
         self.hook_normalized = HookPoint()  # [*batch, d_model]: before the learned scale
 
     def forward(self, x: Float[Tensor, "*batch d_model"]) -> Float[Tensor, "*batch d_model"]:
-        _check_input(x, self.d_model)
+        check_last_dim(x, self.d_model)
         mean_square = x.pow(2).mean(dim=-1, keepdim=True)
         scale: Float[Tensor, "*batch 1"] = self.hook_scale((mean_square + self.eps).sqrt())
         x = self.hook_normalized(x / scale)

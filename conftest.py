@@ -1,0 +1,80 @@
+"""pytest setup for the whole suite: unit tests, nbval on every notebook, the built book.
+
+- Nothing reaches a model or dataset hub (the notebook kernels inherit this environment too).
+- Each book page is executed once per run: nbval executes it and compares outputs, and its
+  fresh outputs go into the Jupyter Book execution cache, so the `book_html` fixture's build
+  renders those outputs instead of executing every page a second time.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+os.environ["HF_HUB_OFFLINE"] = "1"
+
+ROOT = Path(__file__).resolve().parent
+BOOK_DIR = ROOT / "book"
+BUILD_DIR = ROOT / "_build"
+EXECUTION_CACHE = BUILD_DIR / ".jupyter_cache"
+
+_code_cells: dict[Path, int] = {}  # book page -> number of code cells nbval collected
+_executed: dict[Path, dict[int, list]] = {}  # book page -> code cell number -> fresh outputs
+
+
+def _is_book_cell(item) -> bool:
+    return Path(str(item.fspath)).parent == BOOK_DIR and hasattr(item, "cell_num")
+
+
+def pytest_collection_modifyitems(session, config, items):
+    for item in filter(_is_book_cell, items):
+        path = Path(str(item.fspath))
+        _code_cells[path] = _code_cells.get(path, 0) + 1
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """Keep the outputs of every book cell that nbval ran and found as stored."""
+    report = (yield).get_result()
+    if call.when == "call" and report.passed and _is_book_cell(item):
+        _executed.setdefault(Path(str(item.fspath)), {})[item.cell_num] = list(item.test_outputs or [])
+
+
+def _cache_executed_pages() -> None:
+    """Put each book page whose every cell passed nbval, with its fresh outputs, in the build's
+    execution cache (the cache Jupyter Book reads with `execute_notebooks: cache`)."""
+    import nbformat
+    from jupyter_cache import get_cache
+    from jupyter_cache.base import CacheBundleIn
+
+    cache = get_cache(str(EXECUTION_CACHE))
+    for path, n_cells in _code_cells.items():
+        fresh = _executed.get(path, {})
+        if len(fresh) != n_cells:
+            continue  # not run, or a cell failed: the build executes this page itself
+        notebook = nbformat.read(path, as_version=4)
+        code = [cell for cell in notebook.cells if cell.cell_type == "code"]
+        for number, cell in enumerate(code):
+            cell.outputs, cell.execution_count = fresh[number], number + 1
+        cache.cache_notebook_bundle(CacheBundleIn(notebook, str(path)), overwrite=True)
+
+
+@pytest.fixture(scope="session")
+def book_html() -> Path:
+    """Build the book with warnings as errors and return the HTML folder.
+
+    Pages that nbval already executed in this run come from the execution cache.
+    """
+    _cache_executed_pages()
+    command = [
+        str(Path(sys.executable).parent / "jupyter-book"), "build", str(ROOT),
+        "--warningiserror", "--nitpick", "--keep-going",
+    ]
+    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
+    if result.returncode != 0:
+        pytest.fail(f"the book build failed:\n{result.stdout[-6000:]}\n{result.stderr[-6000:]}")
+    return BUILD_DIR / "html"

@@ -1,0 +1,196 @@
+"""Train GPT-2 on Tiny Shakespeare from the command line (one process, or many under torchrun).
+
+Profiles reproduce nanoGPT's shakespeare_char runs:
+
+    python scripts/train_gpt2.py --profile baby   # CPU "baby GPT": 4 layers, 4 heads, 128 wide,
+                                                  # block 64, batch 12, 2000 steps; val loss ~1.88
+    python scripts/train_gpt2.py --profile full   # GPU: 6/6/384, block 256, batch 64, 5000 steps,
+                                                  # dropout 0.2; val loss ~1.47
+
+Any setting can be overridden (`--max-steps 200 --n-layers 2`), `--tokenizer bpe` trains the
+chapter-1 byte-level BPE tokenizer instead of using characters, and `--text-file` trains on
+another text. Several processes share one global batch of `--batch-size` sequences:
+
+    torchrun --standalone --nproc_per_node=2 scripts/train_gpt2.py --profile baby
+
+Each rank draws the same global batch for a step and keeps its own slice, so the run computes
+the same updates as one process with the whole batch (DistributedDataParallel averages the
+gradients). Only rank 0 prints and writes files.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from transformer_course.gpt2 import GPT2, GPT2Config, estimate_loss, generate, lm_loss, sample_batch
+from transformer_course.runtime import get_device, seed_everything
+from transformer_course.tokenization import BPETokenizer, CharTokenizer
+from transformer_course.training import TrainConfig, train
+
+# nanoGPT's config/train_shakespeare_char.py; "baby" is the CPU variant from its README.
+PROFILES = {
+    "baby": dict(
+        n_layers=4, n_heads=4, d_model=128, block_size=64, batch_size=12, max_steps=2000, lr=1e-3,
+        min_lr=1e-4, warmup_steps=100, dropout=0.0, eval_every=250, eval_batches=200,
+    ),
+    "full": dict(
+        n_layers=6, n_heads=6, d_model=384, block_size=256, batch_size=64, max_steps=5000, lr=1e-3,
+        min_lr=1e-4, warmup_steps=100, dropout=0.2, eval_every=250, eval_batches=200,
+    ),
+}
+COMMON = dict(weight_decay=0.1, beta1=0.9, beta2=0.99, grad_clip=1.0, seed=1337, bpe_vocab=512)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--profile", choices=sorted(PROFILES), default="baby")
+    parser.add_argument("--tokenizer", choices=("char", "bpe"), default="char")
+    parser.add_argument("--text-file", type=Path, help="train on this text instead of Tiny Shakespeare")
+    parser.add_argument("--out", type=Path, help="write results.json (config, history, final losses) here")
+    parser.add_argument("--checkpoint-dir", type=Path, help="save (and resume from) checkpoints here")
+    parser.add_argument("--device", help="cpu, cuda, mps (default: the best available)")
+    parser.add_argument("--compile", action="store_true", help="torch.compile the model")
+    parser.add_argument("--no-amp", action="store_true", help="no bf16 autocast on CUDA")
+    parser.add_argument("--sample-tokens", type=int, default=300, help="tokens to sample at the end")
+    for name, value in {**PROFILES["baby"], **COMMON}.items():
+        parser.add_argument(f"--{name.replace('_', '-')}", type=type(value), default=None)
+    args = parser.parse_args(argv)
+    for name, value in {**PROFILES[args.profile], **COMMON}.items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    return args
+
+
+def setup_distributed(device: torch.device) -> tuple[int, int, torch.device]:
+    """Join the process group when launched by torchrun; returns (rank, world size, device)."""
+    if "RANK" not in os.environ:
+        return 0, 1, device
+    if device.type == "cuda":
+        local_rank = int(os.environ["LOCAL_RANK"])
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo")
+    return dist.get_rank(), dist.get_world_size(), device
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    device = torch.device(args.device) if args.device else get_device()
+    rank, world, device = setup_distributed(device)
+    if args.batch_size % world:
+        raise ValueError(f"--batch-size: expected a multiple of the {world} processes, got {args.batch_size}")
+    seed_everything(args.seed)
+
+    if args.text_file is not None:
+        text = args.text_file.read_text(encoding="utf-8")
+    else:
+        from transformer_course.data import load_text
+
+        text = load_text("tinyshakespeare")
+    split = int(0.9 * len(text))  # nanoGPT: first 90% of the text trains, the last 10% validates
+    if args.tokenizer == "char":
+        tokenizer = CharTokenizer(text)
+    else:
+        tokenizer = BPETokenizer.train(text[:split], args.bpe_vocab)
+    train_data = torch.tensor(tokenizer.encode(text[:split]), dtype=torch.long)
+    val_data = torch.tensor(tokenizer.encode(text[split:]), dtype=torch.long)
+
+    cfg = GPT2Config(
+        d_model=args.d_model,
+        n_layers=args.n_layers,
+        n_heads=args.n_heads,
+        d_vocab=tokenizer.vocab_size,
+        n_ctx=args.block_size,
+        dropout=args.dropout,
+    )
+    model = GPT2(cfg).to(device)
+    if args.compile:
+        model.compile()  # in place: parameter names and checkpoints stay the same
+    train_cfg = TrainConfig(
+        max_steps=args.max_steps,
+        lr=args.lr,
+        warmup_steps=args.warmup_steps,
+        lr_schedule="cosine",
+        min_lr=args.min_lr,
+        weight_decay=args.weight_decay,
+        betas=(args.beta1, args.beta2),
+        grad_clip=args.grad_clip,
+        eval_every=args.eval_every,
+        log_every=args.eval_every,
+        checkpoint_dir=args.checkpoint_dir,
+        amp=not args.no_amp,
+        seed=args.seed,
+        progress=rank == 0,
+    )
+    per_rank = args.batch_size // world
+
+    def get_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The step's global batch, drawn identically on every rank; this rank keeps its slice."""
+        generator = torch.Generator().manual_seed(args.seed * 1_000_003 + step)
+        x, y = sample_batch(train_data, args.batch_size, args.block_size, generator=generator)
+        rows = slice(rank * per_rank, (rank + 1) * per_rank)
+        return x[rows].to(device), y[rows].to(device)
+
+    def loss_fn(wrapped: torch.nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        x, y = batch
+        return lm_loss(wrapped(x), y)
+
+    def evaluate(_: torch.nn.Module) -> dict[str, float]:
+        generator = torch.Generator().manual_seed(args.seed)
+        sizes = dict(batch_size=args.batch_size, block_size=args.block_size, n_batches=args.eval_batches)
+        return {
+            "train_loss": estimate_loss(model, train_data, generator=generator, **sizes),
+            "val_loss": estimate_loss(model, val_data, generator=generator, **sizes),
+        }
+
+    if rank == 0:
+        print(
+            f"{args.profile} profile on {device} x{world}: {model.num_params():,} parameters, "
+            f"vocab {cfg.d_vocab} ({args.tokenizer}), {len(train_data):,} train / {len(val_data):,} val tokens",
+            flush=True,
+        )
+    started = time.perf_counter()
+    history = train(model, train_cfg, get_batch, loss_fn, evaluate=evaluate)
+    wall = time.perf_counter() - started
+
+    result = {
+        "command": "python scripts/train_gpt2.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "profile": args.profile,
+        "world_size": world,
+        "device": str(device),
+        "model": asdict(cfg),
+        "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+        "final": history.evals[-1] if history.evals else {},
+        "train_seconds": round(wall, 1),
+        "history": history.to_dict(),
+    }
+    if rank == 0:
+        final = result["final"]
+        print(
+            f"final: train loss {final.get('train_loss', float('nan')):.4f}, "
+            f"val loss {final.get('val_loss', float('nan')):.4f}, {wall:.0f} s",
+            flush=True,
+        )
+        if args.sample_tokens:
+            prompt = torch.tensor([tokenizer.encode("\n")], device=device)
+            sample = generate(model, prompt, args.sample_tokens, temperature=0.8, top_k=200)
+            print("sample:\n" + tokenizer.decode(sample[0].tolist()), flush=True)
+        if args.out is not None:
+            args.out.mkdir(parents=True, exist_ok=True)
+            (args.out / "results.json").write_text(json.dumps(result, indent=1))
+    if world > 1:
+        dist.destroy_process_group()
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,303 @@
+"""Checkers for chapter 6: GPT-2's embeddings, unembedding, MLP, the full forward pass and sampling.
+
+Each checker builds the learner's class (or calls the learner's function) next to the course's
+reference from `transformer_course.gpt2` / `transformer_course.blocks`, with identical weights,
+and compares outputs. Known mistakes get targeted hints.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from transformer_course.checks import CheckFailure, call, expect, expect_close, passed
+from transformer_course.gpt2 import GPT2, GPT2Config
+
+__all__ = ["check_embed", "check_pos_embed", "check_unembed", "check_mlp", "check_gpt2_forward", "check_generate"]
+
+CFG = GPT2Config(d_model=16, n_layers=2, n_heads=2, d_vocab=37, n_ctx=12)
+
+
+def _tokens(batch: int = 3, pos: int = 7, seed: int = 0) -> torch.Tensor:
+    return torch.randint(0, CFG.d_vocab, (batch, pos), generator=torch.Generator().manual_seed(seed))
+
+
+def _build(name: str, cls: type, *args: Any) -> torch.nn.Module:
+    return call(f"{name}.__init__", cls, *args)
+
+
+def _param(module: torch.nn.Module, name: str, owner: str, shape: tuple[int, ...]) -> torch.nn.Parameter:
+    param = getattr(module, name, None)
+    expect(
+        isinstance(param, torch.nn.Parameter),
+        owner,
+        f"expected a parameter named `{name}` (an nn.Parameter), got {type(param).__name__}.",
+        f"create it in __init__: self.{name} = nn.Parameter(torch.empty{shape}).",
+    )
+    expect(
+        tuple(param.shape) == shape,
+        owner,
+        f"`{name}` should have shape {shape}, got {tuple(param.shape)}.",
+        "TransformerLens layout: matrices are (d_in, d_out), embeddings are (rows, d_model).",
+    )
+    return param
+
+
+def _fill(*params: torch.nn.Parameter, seed: int = 1) -> None:
+    """Random values, so a forward pass that ignores a parameter shows up."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for param in params:
+            param.copy_(torch.randn(param.shape, generator=generator))
+
+
+def check_embed(Embed: type) -> None:
+    """`Embed(cfg)`: parameter `W_E (d_vocab, d_model)`; `forward(tokens)` looks up each token's row."""
+    name = "Embed"
+    embed = _build(name, Embed, CFG)
+    W_E = _param(embed, "W_E", name, (CFG.d_vocab, CFG.d_model))
+    _fill(W_E)
+    tokens = _tokens()
+    out = call(f"{name}.forward", embed, tokens)
+    expect_close(
+        out,
+        F.embedding(tokens, W_E.detach()),
+        name,
+        "row t of W_E is the embedding of token id t: index W_E with the tokens.",
+    )
+    passed(name)
+
+
+def check_pos_embed(PosEmbed: type) -> None:
+    """`PosEmbed(cfg)`: parameter `W_pos (n_ctx, d_model)`; `forward(tokens)` returns the first
+    `pos` rows, repeated over the batch."""
+    name = "PosEmbed"
+    pos_embed = _build(name, PosEmbed, CFG)
+    W_pos = _param(pos_embed, "W_pos", name, (CFG.n_ctx, CFG.d_model))
+    _fill(W_pos)
+    tokens = _tokens(batch=3, pos=7)
+    out = call(f"{name}.forward", pos_embed, tokens)
+    expected = W_pos.detach()[:7].expand(3, 7, CFG.d_model)
+    if isinstance(out, torch.Tensor) and out.shape == expected.shape:
+        by_token = W_pos.detach()[tokens]
+        expect(
+            not torch.allclose(out.detach(), by_token),
+            name,
+            "the output is W_pos indexed by the token ids.",
+            "position embeddings depend on where a token is (0, 1, ..., pos-1), not on which token it is.",
+        )
+    expect_close(
+        out,
+        expected,
+        name,
+        "return W_pos[:pos] for every sequence: shape (batch, pos, d_model), e.g. with einops.repeat.",
+    )
+    passed(name)
+
+
+def check_unembed(Unembed: type) -> None:
+    """`Unembed(cfg)`: parameters `W_U (d_model, d_vocab)` and `b_U (d_vocab,)`, initialised
+    N(0, init_range) and zero; `forward(x) = x @ W_U + b_U`."""
+    name = "Unembed"
+    torch.manual_seed(0)
+    unembed = _build(name, Unembed, CFG)
+    W_U = _param(unembed, "W_U", name, (CFG.d_model, CFG.d_vocab))
+    b_U = _param(unembed, "b_U", name, (CFG.d_vocab,))
+    expect(
+        torch.count_nonzero(b_U).item() == 0,
+        name,
+        f"`b_U` should start at zero, got values from {b_U.min().item():.3g} to {b_U.max().item():.3g}.",
+        "biases are initialised to zeros (torch.zeros), not ones: a bias of one shifts every logit at the start.",
+    )
+    std = W_U.detach().std().item()
+    expect(
+        abs(std - CFG.init_range) < 0.3 * CFG.init_range,
+        name,
+        f"`W_U` should start with standard deviation init_range={CFG.init_range}, got {std:.3g}.",
+        "initialise it with nn.init.normal_(self.W_U, std=cfg.init_range).",
+    )
+    _fill(W_U, b_U)
+    x = torch.randn(2, 5, CFG.d_model, generator=torch.Generator().manual_seed(2))
+    out = call(f"{name}.forward", unembed, x)
+    expected = F.linear(x, W_U.detach().T, b_U.detach())
+    if isinstance(out, torch.Tensor) and out.shape == expected.shape:
+        expect(
+            not torch.allclose(out.detach(), F.linear(x, W_U.detach().T)),
+            name,
+            "the output does not include the bias.",
+            "add b_U after the matrix product.",
+        )
+    expect_close(out, expected, name, "logits are x @ W_U + b_U.")
+    passed(name)
+
+
+def check_mlp(MLP: type) -> None:
+    """`MLP(d_model, d_mlp, act_fn="gelu_new")`: `W_out(gelu_new(x @ W_in + b_in)) + b_out`."""
+    name = "MLP"
+    d_model, d_mlp = 16, 64
+    mlp = _build(name, MLP, d_model, d_mlp)
+    W_in = _param(mlp, "W_in", name, (d_model, d_mlp))
+    b_in = _param(mlp, "b_in", name, (d_mlp,))
+    W_out = _param(mlp, "W_out", name, (d_mlp, d_model))
+    b_out = _param(mlp, "b_out", name, (d_model,))
+    _fill(W_in, b_in, W_out, b_out)
+    x = torch.randn(2, 5, d_model, generator=torch.Generator().manual_seed(3))
+    out = call(f"{name}.forward", mlp, x)
+
+    def reference(act: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        return act(x @ W_in.detach() + b_in.detach()) @ W_out.detach() + b_out.detach()
+
+    expected = reference(lambda h: F.gelu(h, approximate="tanh"))
+    if isinstance(out, torch.Tensor) and out.shape == expected.shape and not torch.allclose(out.detach(), expected, atol=1e-5):
+        for wrong, hint in (
+            (F.gelu, "GPT-2 uses gelu_new, the tanh approximation: F.gelu(x, approximate='tanh'), not the exact erf GELU."),
+            (F.relu, "the activation is GELU (gelu_new), not ReLU."),
+        ):
+            expect(
+                not torch.allclose(out.detach(), reference(wrong), atol=1e-5),
+                name,
+                "the activation function is not GPT-2's.",
+                hint,
+            )
+    expect_close(out, expected, name, "x @ W_in + b_in, then gelu_new, then @ W_out + b_out.")
+    passed(name)
+
+
+def _reference_model(seed: int = 0) -> GPT2:
+    """The course's GPT-2 with noise on every parameter, so a forward pass that skips a bias,
+    a layer-norm gain or a component shows up in the logits."""
+    torch.manual_seed(seed)
+    model = GPT2(CFG).eval()
+    generator = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(0.1 * torch.randn(param.shape, generator=generator))
+    return model
+
+
+def check_gpt2_forward(GPT2Class: type) -> None:
+    """`GPT2(cfg).forward(tokens)`: embed + position embed, the blocks, `ln_final`, unembed."""
+    name = "GPT2"
+    reference = _reference_model()
+    model = _build(name, GPT2Class, CFG)
+    try:
+        model.load_state_dict(reference.state_dict())
+    except Exception as exc:
+        raise CheckFailure(f"`{name}`: the reference weights do not load ({exc}).\nHint: keep the attribute names "
+                           "embed, pos_embed, blocks, ln_final, unembed.") from None
+    model.eval()
+    tokens = _tokens(batch=2, pos=9)
+    out = call(f"{name}.forward", model, tokens)
+    with torch.no_grad():
+        expected = reference(tokens)
+        embed = reference.embed(tokens)
+        pos = reference.pos_embed(tokens)
+
+        def run(residual: torch.Tensor, final_ln: bool = True) -> torch.Tensor:
+            for block in reference.blocks:
+                residual = block(residual)
+            return reference.unembed(reference.ln_final(residual) if final_ln else residual)
+
+        variants = (
+            (run(embed), "the position embedding is missing: add pos_embed(tokens) to embed(tokens)."),
+            (run(embed + pos, final_ln=False), "apply ln_final to the residual stream before the unembedding."),
+            (
+                reference.unembed(reference.ln_final(embed + pos)),
+                "the blocks did not run: pass the residual stream through every block in self.blocks.",
+            ),
+        )
+    if isinstance(out, torch.Tensor) and out.shape == expected.shape and not torch.allclose(out.detach(), expected, atol=1e-5):
+        for wrong, hint in variants:
+            expect(not torch.allclose(out.detach(), wrong, atol=1e-5), name, "the logits are wrong.", hint)
+    expect_close(
+        out, expected, name, "embed + pos_embed, then each block in turn, then ln_final, then unembed.", atol=1e-4
+    )
+    passed(name)
+
+
+def _greedy(model: GPT2, tokens: torch.Tensor, steps: int) -> torch.Tensor:
+    with torch.no_grad():
+        for _ in range(steps):
+            next_token = model(tokens[:, -model.cfg.n_ctx :])[:, -1].argmax(-1, keepdim=True)
+            tokens = torch.cat([tokens, next_token], dim=1)
+    return tokens
+
+
+def _frequencies(samples: torch.Tensor) -> torch.Tensor:
+    return torch.bincount(samples, minlength=CFG.d_vocab).double() / samples.numel()
+
+
+def check_generate(generate: Callable[..., torch.Tensor]) -> None:
+    """`generate(model, tokens, max_new_tokens, *, temperature=1.0, top_k=None)`."""
+    name = "generate"
+    model = _reference_model(seed=3)
+    prompt = _tokens(batch=2, pos=4, seed=4)
+
+    out = call(name, generate, model, prompt, 3, temperature=0)
+    expect(isinstance(out, torch.Tensor), name, f"expected a tensor, got {type(out).__name__}.")
+    expect(
+        tuple(out.shape) == (2, 7),
+        name,
+        f"with 4 prompt tokens and max_new_tokens=3 expected shape (2, 7), got {tuple(out.shape)}.",
+        "return the prompt followed by the new tokens: torch.cat([tokens, next_token], dim=1) each step.",
+    )
+    expect(torch.equal(out[:, :4], prompt), name, "the output does not start with the prompt.")
+    expect(
+        torch.equal(out, _greedy(model, prompt, 3)),
+        name,
+        "temperature=0 should pick the most likely next token every step.",
+        "use logits[:, -1, :] (the last position) and argmax when temperature == 0; don't divide by zero.",
+    )
+
+    long = call(name, generate, model, prompt, CFG.n_ctx + 2, temperature=0)
+    expect(
+        torch.equal(long, _greedy(model, prompt, CFG.n_ctx + 2)),
+        name,
+        "generating past n_ctx tokens gives wrong tokens.",
+        "feed only the last n_ctx tokens to the model: tokens[:, -model.cfg.n_ctx:].",
+    )
+
+    # Sampling: many copies of one prompt, one new token each; frequencies must follow the softmax.
+    n = 6000
+    one = prompt[:1]
+    with torch.no_grad():
+        logits = model(one)[0, -1].double()
+    torch.manual_seed(5)
+    for temperature, top_k in ((1.0, None), (0.5, None), (1.0, 3)):
+        drawn = call(name, generate, model, one.expand(n, -1), 1, temperature=temperature, top_k=top_k)
+        expect(
+            isinstance(drawn, torch.Tensor) and tuple(drawn.shape) == (n, 5),
+            name,
+            f"expected shape ({n}, 5), got {tuple(drawn.shape) if isinstance(drawn, torch.Tensor) else drawn!r}.",
+        )
+        scaled = logits / temperature
+        if top_k is not None:
+            kept = scaled.topk(top_k).indices
+            expect(
+                bool(torch.isin(drawn[:, -1], kept).all()),
+                name,
+                f"with top_k={top_k} a token outside the {top_k} most likely was sampled.",
+                "keep the top_k largest logits and set the rest to -inf before the softmax.",
+            )
+            scaled = torch.full_like(scaled, -math.inf).scatter(0, kept, scaled[kept])
+        freq = _frequencies(drawn[:, -1])
+        probs = scaled.softmax(-1)
+        worst = (freq - probs).abs().max().item()
+        if worst > 0.03:  # about 4 standard errors for n=6000
+            greedy_share = (drawn[:, -1] == logits.argmax()).double().mean().item()
+            hint = "sample with torch.multinomial(softmax(logits / temperature), 1)."
+            if greedy_share > 0.99:
+                hint = "with temperature > 0, sample from the distribution instead of taking the argmax."
+            elif temperature != 1.0:
+                wrong = _frequencies(drawn[:, -1])
+                if (wrong - (logits * temperature).softmax(-1)).abs().max().item() < 0.03:
+                    hint = "divide the logits by the temperature (a low temperature sharpens), don't multiply."
+            raise CheckFailure(
+                f"`{name}`: samples at temperature={temperature}, top_k={top_k} do not follow the model's "
+                f"distribution (frequency off by {worst:.3f}).\nHint: {hint}"
+            )
+    passed(name)

@@ -1,0 +1,159 @@
+"""Checkers for chapter 4: a learner's `LayerNorm` and `RMSNorm` classes.
+
+Each checker builds the learner's module, gives it random `w` and `b`, and compares its output
+with `torch.nn.functional.layer_norm` / `rms_norm` in float64. When they differ, it compares the
+output with the classic mistakes (unbiased variance, eps outside the square root, the wrong
+dimension, ...) and names the one that matches.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from transformer_course.checks import call, expect, expect_close, passed
+
+__all__ = ["check_layernorm", "check_rmsnorm"]
+
+D_MODEL = 4  # small, so dividing by d_model - 1 instead of d_model is a visible 4/3
+BIG_EPS = 0.25  # large, so where eps goes changes the result visibly
+GENERIC_HINT = "subtract the mean over the last dim, divide by sqrt(biased variance + eps), then scale by w and shift by b."
+
+
+def _inputs(generator: torch.Generator) -> list[Tensor]:
+    """Batched inputs with rows of very different scales (where eps placement shows)."""
+    x = torch.randn(3, 5, D_MODEL, generator=generator, dtype=torch.float64)
+    scales = torch.tensor([1e-2, 0.3, 1.0, 3.0, 10.0], dtype=torch.float64)[None, :, None]
+    return [x * scales + 0.5, torch.randn(2, 3, 2, D_MODEL, generator=generator, dtype=torch.float64)]
+
+
+def _center(x: Tensor, dim) -> Tensor:
+    return x - x.mean(dim=dim, keepdim=True)
+
+
+def _layer_norm_mistakes(x: Tensor, w: Tensor, b: Tensor, eps: float) -> dict[str, Tensor]:
+    """The classic layer-norm bugs, each as the output it would give, with the hint it deserves."""
+    centred = _center(x, -1)
+    biased = centred.pow(2).mean(-1, keepdim=True)
+    unbiased = x.var(-1, keepdim=True, unbiased=True)
+    affine = lambda normalized: normalized * w + b  # noqa: E731
+    mistakes = {
+        "the variance divides by d_model - 1 (Bessel's correction); layer norm uses the biased "
+        "variance: mean of squared deviations, i.e. x.var(-1, unbiased=False).":
+            affine(centred / (unbiased + eps).sqrt()),
+        "is eps inside the square root? Divide by sqrt(var + eps), not sqrt(var) + eps.":
+            affine(centred / (biased.sqrt() + eps)),
+        "this looks like x.std(-1) + eps: eps is added to the std (it belongs inside the square "
+        "root) and x.std is unbiased by default (layer norm divides by d_model, not d_model - 1).":
+            affine(centred / (unbiased.sqrt() + eps)),
+        "eps is added outside the square root: use sqrt(var + eps), not sqrt(var) + sqrt(eps).":
+            affine(centred / (biased.sqrt() + eps**0.5)),
+        "eps is missing: divide by sqrt(var + eps), with eps inside the square root, so a "
+        "constant row gives b instead of 0/0.":
+            affine(centred / biased.sqrt()),
+        "did you apply the learned scale w and shift b? Return normalized * w + b.":
+            centred / (biased + eps).sqrt(),
+        "w and b are swapped: return normalized * w + b.":
+            centred / (biased + eps).sqrt() * b + w,
+    }
+    for dim, where in ((0, "dim 0 (the batch)"), (-2, "dim -2 (the positions)"), (None, "every dim at once")):
+        dims = tuple(range(x.ndim)) if dim is None else dim
+        wrong = _center(x, dims) / (_center(x, dims).pow(2).mean(dims, keepdim=True) + eps).sqrt()
+        mistakes[f"you normalise over {where}: take mean and variance over the last dim, "
+                 "dim=-1 with keepdim=True, so each position is normalised on its own."] = affine(wrong)
+    return mistakes
+
+
+def _rms_norm_mistakes(x: Tensor, w: Tensor, eps: float) -> dict[str, Tensor]:
+    mean_square = x.pow(2).mean(-1, keepdim=True)
+    mistakes = {
+        "RMSNorm does not subtract the mean: divide x itself by sqrt(mean(x**2) + eps).":
+            _center(x, -1) / (_center(x, -1).pow(2).mean(-1, keepdim=True) + eps).sqrt() * w,
+        "is eps inside the square root? Divide by sqrt(mean(x**2) + eps), not sqrt(mean(x**2)) + eps.":
+            x / (mean_square.sqrt() + eps) * w,
+        "eps is missing: divide by sqrt(mean(x**2) + eps), with eps inside the square root, "
+        "so an all-zero row gives 0 instead of NaN.":
+            x / mean_square.sqrt() * w,
+        "did you apply the learned scale w? Return normalized * w.":
+            x / (mean_square + eps).sqrt(),
+        "the root mean square uses the mean of x**2 over d_model, not the sum (or the norm).":
+            x / (x.pow(2).sum(-1, keepdim=True) + eps).sqrt() * w,
+    }
+    for dim, where in ((0, "dim 0 (the batch)"), (-2, "dim -2 (the positions)"), (None, "every dim at once")):
+        dims = tuple(range(x.ndim)) if dim is None else dim
+        mistakes[f"you normalise over {where}: take the mean of x**2 over the last dim, "
+                 "dim=-1 with keepdim=True."] = x / (x.pow(2).mean(dims, keepdim=True) + eps).sqrt() * w
+    return mistakes
+
+
+def _diagnose(actual: Tensor, mistakes: dict[str, Tensor], fallback: str) -> str:
+    """The hint of the first mistake whose output matches `actual`, else `fallback`."""
+    if isinstance(actual, Tensor) and not torch.isnan(actual).any():
+        for hint, wrong in mistakes.items():
+            if actual.shape == wrong.shape and torch.allclose(actual.detach().double(), wrong, atol=1e-6, rtol=1e-5):
+                return hint
+    return fallback
+
+
+def _build(name: str, cls: Callable, eps: float, param_names: tuple[str, ...], generator: torch.Generator):
+    """The learner's module in float64 with random parameters (so w=1, b=0 can't hide a bug)."""
+    module = call(f"{name}.__init__", cls, D_MODEL, eps=eps)
+    expect(isinstance(module, torch.nn.Module), name, f"expected an nn.Module, got {type(module).__name__}.")
+    params = dict(module.named_parameters())
+    for param in param_names:
+        expect(
+            param in params and tuple(params[param].shape) == (D_MODEL,),
+            name,
+            f"expected a parameter `{param}` of shape ({D_MODEL},); found {sorted(params) or 'no parameters'}.",
+            "keep the TransformerLens names: `w` (scale) and `b` (shift), created in __init__.",
+        )
+    module = module.double()
+    with torch.no_grad():
+        for param in param_names:
+            params[param].copy_(torch.randn(D_MODEL, generator=generator, dtype=torch.float64) + 1)
+    return module
+
+
+def _expect_no_nan_on_constant_rows(name: str, module: torch.nn.Module, hint: str) -> Tensor:
+    constant = torch.stack([torch.zeros(D_MODEL), torch.full((D_MODEL,), 7.0)]).double()
+    out = call(f"{name}.forward", module, constant)
+    expect(isinstance(out, Tensor), name, f"expected a torch.Tensor, got {type(out).__name__}.")
+    expect(bool(torch.isfinite(out).all()), name, "a row of equal values gives NaN or inf.", hint)
+    return out
+
+
+def check_layernorm(cls: Callable) -> None:
+    """Check a `LayerNorm(d_model, eps)` class: parameters `w`, `b`; forward over the last dim."""
+    generator = torch.Generator().manual_seed(0)
+    for eps in (1e-5, BIG_EPS):
+        ln = _build("LayerNorm", cls, eps, ("w", "b"), generator)
+        w, b = ln.w.detach(), ln.b.detach()
+        for x in _inputs(generator):
+            actual = call("LayerNorm.forward", ln, x)
+            expected = F.layer_norm(x, (D_MODEL,), w, b, eps=eps)
+            hint = _diagnose(actual, _layer_norm_mistakes(x, w, b, eps), GENERIC_HINT)
+            expect_close(actual, expected, "LayerNorm.forward", hint, atol=1e-6, rtol=1e-5)
+    out = _expect_no_nan_on_constant_rows(
+        "LayerNorm.forward", ln, "a constant row has variance 0: is eps inside the square root, sqrt(var + eps)?"
+    )
+    expect_close(out, b.expand(2, D_MODEL), "LayerNorm.forward", "a constant row should come out as b.", atol=1e-6)
+    passed("LayerNorm")
+
+
+def check_rmsnorm(cls: Callable) -> None:
+    """Check an `RMSNorm(d_model, eps)` class: parameter `w`; x / sqrt(mean(x**2) + eps) * w."""
+    generator = torch.Generator().manual_seed(1)
+    for eps in (1e-6, BIG_EPS):
+        norm = _build("RMSNorm", cls, eps, ("w",), generator)
+        expect("b" not in dict(norm.named_parameters()), "RMSNorm", "RMSNorm has no shift `b`, only the scale `w`.")
+        w = norm.w.detach()
+        for x in _inputs(generator):
+            actual = call("RMSNorm.forward", norm, x)
+            expected = F.rms_norm(x, (D_MODEL,), w, eps=eps)
+            hint = _diagnose(actual, _rms_norm_mistakes(x, w, eps), "divide x by sqrt(mean(x**2, dim=-1) + eps), then scale by w.")
+            expect_close(actual, expected, "RMSNorm.forward", hint, atol=1e-6, rtol=1e-5)
+    _expect_no_nan_on_constant_rows("RMSNorm.forward", norm, "an all-zero row must not give NaN: add eps inside the square root.")
+    passed("RMSNorm")

@@ -1,0 +1,470 @@
+"""Tokenizers: from text to the integer ids a model reads, and back.
+
+Two tokenizers share one small interface (`encode`, `decode`, `vocab_size`):
+
+- `CharTokenizer`: one id per distinct character of a training text (nanoGPT's shakespeare_char).
+- `BPETokenizer`: byte-level byte pair encoding as used by GPT-2. Its base vocabulary is the 256
+  byte values, so every string UTF-8 can encode can be encoded, and training learns merges of
+  frequent neighbouring pairs into new tokens.
+
+The small functions the BPE tokenizer is built from (`get_pair_counts`, `merge_pair`,
+`train_merges`, `encode_chunk`, `decode_ids`) are the chapter's exercises.
+"""
+
+from __future__ import annotations
+
+import heapq
+import json
+from collections import Counter
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import regex
+
+__all__ = [
+    "GPT2_SPLIT_PATTERN",
+    "BPETokenizer",
+    "CharTokenizer",
+    "Tokenizer",
+    "bytes_to_unicode",
+    "decode_ids",
+    "encode_chunk",
+    "get_pair_counts",
+    "merge_pair",
+    "train_merges",
+]
+
+Pair = tuple[int, int]
+
+# GPT-2's pre-split (Radford et al., 2019): contractions, letters, digits, other symbols and
+# whitespace become separate chunks, and merges never cross a chunk boundary.
+GPT2_SPLIT_PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
+
+FILE_FORMAT = "transformer_course.bpe"
+
+
+# --- the building blocks (the workbook's exercises) -----------------------------------------
+
+
+def get_pair_counts(ids: Sequence[int], counts: dict[Pair, int] | None = None, weight: int = 1) -> dict[Pair, int]:
+    """Count each pair of neighbouring ids, adding `weight` per occurrence to `counts` (or a new dict).
+
+    `get_pair_counts([1, 2, 3, 1, 2]) == {(1, 2): 2, (2, 3): 1, (3, 1): 1}`
+    """
+    counts = {} if counts is None else counts
+    for pair in zip(ids, ids[1:]):
+        counts[pair] = counts.get(pair, 0) + weight
+    return counts
+
+
+def merge_pair(ids: Sequence[int], pair: Pair, new_id: int) -> list[int]:
+    """Replace every occurrence of `pair` in `ids` by `new_id`, scanning left to right.
+
+    Occurrences never overlap: `merge_pair([5, 5, 5], (5, 5), 9) == [9, 5]`.
+    """
+    merged = []
+    i = 0
+    while i < len(ids):
+        if i + 1 < len(ids) and ids[i] == pair[0] and ids[i + 1] == pair[1]:
+            merged.append(new_id)
+            i += 2
+        else:
+            merged.append(ids[i])
+            i += 1
+    return merged
+
+
+def train_merges(chunk_counts: Mapping[bytes, int], num_merges: int) -> dict[Pair, int]:
+    """Learn `num_merges` merges from chunks of bytes and how often each chunk occurs.
+
+    Each step merges the most frequent pair (ties go to the smallest pair) into the next new id,
+    starting at 256. Returns `{pair: new_id}` in the order the merges were learned.
+
+    Rather than recounting the whole corpus after every merge, the pair counts are kept up to
+    date: only the chunks that contain the merged pair are touched, and a heap finds the most
+    frequent pair (entries whose count has since changed are skipped when popped).
+    """
+    chunks = [list(chunk) for chunk in chunk_counts]
+    weights = list(chunk_counts.values())
+    counts: dict[Pair, int] = {}
+    where: dict[Pair, set[int]] = {}  # pair -> indices of the chunks that contain it
+    for index, (chunk, weight) in enumerate(zip(chunks, weights)):
+        get_pair_counts(chunk, counts, weight)
+        for pair in zip(chunk, chunk[1:]):
+            where.setdefault(pair, set()).add(index)
+    heap = [(-count, pair) for pair, count in counts.items()]
+    heapq.heapify(heap)
+
+    merges: dict[Pair, int] = {}
+    while len(merges) < num_merges and heap:
+        negative_count, pair = heapq.heappop(heap)
+        if counts.get(pair, 0) != -negative_count or negative_count == 0:
+            continue  # stale entry: this pair's count changed after it was pushed
+        new_id = 256 + len(merges)
+        merges[pair] = new_id
+        changes: dict[Pair, int] = {}
+        for index in where.pop(pair):
+            old, weight = chunks[index], weights[index]
+            new = merge_pair(old, pair, new_id)
+            get_pair_counts(old, changes, -weight)
+            get_pair_counts(new, changes, weight)
+            for neighbour in zip(new, new[1:]):
+                where.setdefault(neighbour, set()).add(index)
+            chunks[index] = new
+        for changed, delta in changes.items():
+            if delta == 0 or changed == pair:
+                continue
+            counts[changed] = counts.get(changed, 0) + delta
+            heapq.heappush(heap, (-counts[changed], changed))
+        del counts[pair]
+    return merges
+
+
+def encode_chunk(ids: Sequence[int], merges: Mapping[Pair, int], ranks: Mapping[Pair, int]) -> list[int]:
+    """Apply learned merges to one chunk: always the pair learned first (lowest rank), leftmost first.
+
+    `merges[pair]` is the id a merge creates and `ranks[pair]` its position in training order.
+    A heap of candidate positions keeps this fast on long chunks; `tokens[i] is None` marks a
+    position merged into its left neighbour, and `after`/`before` link the live positions.
+    """
+    tokens: list[int | None] = list(ids)
+    n = len(tokens)
+    after = list(range(1, n + 1))
+    before = list(range(-1, n - 1))
+    heap = [(ranks[pair], i) for i, pair in enumerate(zip(tokens, tokens[1:])) if pair in ranks]
+    heapq.heapify(heap)
+    while heap:
+        rank, i = heapq.heappop(heap)
+        j = after[i] if tokens[i] is not None else n
+        if j >= n or ranks.get((tokens[i], tokens[j])) != rank:
+            continue  # stale: one side of this pair was merged away since it was pushed
+        tokens[i], tokens[j] = merges[(tokens[i], tokens[j])], None
+        after[i] = after[j]
+        if after[i] < n:
+            before[after[i]] = i
+        for left in (before[i], i):
+            if left >= 0 and after[left] < n:
+                pair = (tokens[left], tokens[after[left]])
+                if pair in ranks:
+                    heapq.heappush(heap, (ranks[pair], left))
+    return [token for token in tokens if token is not None]
+
+
+def decode_ids(ids: Iterable[int], vocab: Mapping[int, bytes]) -> str:
+    """Turn token ids back into text: join every token's bytes first, then decode UTF-8 once.
+
+    A character's bytes may be split across tokens, so decoding token by token would break it.
+    Byte sequences that are not valid UTF-8 (possible for arbitrary ids) become U+FFFD.
+    """
+    return b"".join(vocab[i] for i in ids).decode("utf-8", errors="replace")
+
+
+def bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's map from each byte to a printable character, used in `vocab.json`/`merges.txt`.
+
+    Printable Latin-1 bytes stand for themselves; the others (control characters, space, ...)
+    are shifted to code points from 256 on, so every token is a visible string.
+    """
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    mapping = {b: chr(b) for b in printable}
+    shifted = 0
+    for b in range(256):
+        if b not in mapping:
+            mapping[b] = chr(256 + shifted)
+            shifted += 1
+    return mapping
+
+
+# --- tokenizers ------------------------------------------------------------------------------
+
+
+def _check_text(text: Any) -> None:
+    if not isinstance(text, str):
+        raise TypeError(f"text: expected a str, got {type(text).__name__}")
+
+
+def _check_ids(ids: Any, vocab: Mapping[int, Any]) -> list[int]:
+    if isinstance(ids, (str, bytes)) or not isinstance(ids, Iterable):
+        raise TypeError(f"ids: expected a sequence of ints, got {type(ids).__name__}")
+    ids = list(ids)
+    for position, token in enumerate(ids):
+        if not isinstance(token, int) or isinstance(token, bool) or token not in vocab:
+            raise ValueError(
+                f"ids: expected token ids in the vocabulary (0..{len(vocab) - 1}), "
+                f"got {token!r} at position {position}"
+            )
+    return ids
+
+
+class Tokenizer:
+    """The interface every tokenizer here has: `encode`, `decode` and `vocab_size`."""
+
+    vocab: dict[int, Any]
+
+    @property
+    def vocab_size(self) -> int:
+        """Number of distinct token ids."""
+        return len(self.vocab)
+
+    def encode(self, text: str) -> list[int]:
+        raise NotImplementedError
+
+    def decode(self, ids: Iterable[int]) -> str:
+        raise NotImplementedError
+
+
+class CharTokenizer(Tokenizer):
+    """One id per distinct character of `text`, in sorted order (as in nanoGPT's shakespeare_char)."""
+
+    def __init__(self, text: str) -> None:
+        _check_text(text)
+        if not text:
+            raise ValueError("text: expected at least one character to build a vocabulary from, got ''")
+        self.vocab = dict(enumerate(sorted(set(text))))
+        self.ids = {char: i for i, char in self.vocab.items()}
+
+    def encode(self, text: str) -> list[int]:
+        """One id per character; a character not seen in training is an error."""
+        _check_text(text)
+        try:
+            return [self.ids[char] for char in text]
+        except KeyError as exc:
+            raise ValueError(
+                f"text: expected only characters from the tokenizer's vocabulary, got {exc.args[0]!r} "
+                f"at index {text.index(exc.args[0])}"
+            ) from None
+
+    def decode(self, ids: Iterable[int]) -> str:
+        return "".join(self.vocab[i] for i in _check_ids(ids, self.vocab))
+
+
+class BPETokenizer(Tokenizer):
+    """Byte-level BPE: bytes in, merges of frequent pairs, special tokens recognised in text.
+
+    `vocab` maps every id to its bytes, `merges` maps each learned pair to the id it creates (in
+    training order: a merge's rank is its position), `special_tokens` maps strings such as
+    `"<|endoftext|>"` to ids, and `pattern` (if any) pre-splits text into chunks that merges
+    never cross. Build one with `train`, `load`, `from_huggingface` or `from_gpt2_files`.
+    """
+
+    def __init__(
+        self,
+        vocab: Mapping[int, bytes],
+        merges: Mapping[Pair, int],
+        *,
+        pattern: str | None = None,
+        special_tokens: Mapping[str, int] | None = None,
+    ) -> None:
+        self.vocab = dict(vocab)
+        self.merges = dict(merges)
+        self.pattern = pattern
+        self.special_tokens = dict(special_tokens or {})
+        self.ranks = {pair: rank for rank, pair in enumerate(self.merges)}
+        self.byte_ids = {}
+        for i, token in self.vocab.items():
+            if len(token) == 1 and i not in self.special_tokens.values():
+                self.byte_ids.setdefault(token[0], i)
+        missing = sorted(set(range(256)) - set(self.byte_ids))
+        if missing:
+            raise ValueError(f"vocab: expected an id for each of the 256 bytes, got none for bytes {missing[:8]}")
+        for pair, new_id in self.merges.items():
+            if pair[0] not in self.vocab or pair[1] not in self.vocab or new_id not in self.vocab:
+                raise ValueError(f"merges: expected ids in the vocabulary, got {pair} -> {new_id}")
+        self._split = regex.compile(pattern) if pattern else None
+        self._special_split = (
+            regex.compile("(" + "|".join(regex.escape(s) for s in sorted(self.special_tokens, key=len, reverse=True)) + ")")
+            if self.special_tokens
+            else None
+        )
+        self._cache: dict[str, list[int]] = {}
+
+    # training --------------------------------------------------------------------------------
+
+    @classmethod
+    def train(
+        cls, text: str, vocab_size: int, *, pattern: str | None = None, special_tokens: Iterable[str] = ()
+    ) -> BPETokenizer:
+        """Learn `vocab_size - 256 - len(special_tokens)` merges from `text`.
+
+        Special tokens are cut out of the training text first, so no merge spans one; they take
+        the last ids. With `pattern`, merges never cross the chunks the pattern splits text into.
+        """
+        _check_text(text)
+        special_tokens = list(special_tokens)
+        for token in special_tokens:
+            if not isinstance(token, str) or not token:
+                raise ValueError(f"special_tokens: expected non-empty strings, got {token!r}")
+        if len(set(special_tokens)) != len(special_tokens):
+            raise ValueError(f"special_tokens: expected distinct strings, got {special_tokens}")
+        smallest = 256 + len(special_tokens)
+        if not isinstance(vocab_size, int) or isinstance(vocab_size, bool) or vocab_size < smallest:
+            raise ValueError(
+                f"vocab_size: expected an int >= {smallest} (256 bytes + {len(special_tokens)} special tokens), "
+                f"got {vocab_size!r}"
+            )
+        base = cls({b: bytes([b]) for b in range(256)}, {}, pattern=pattern)
+        chunk_counts = Counter(chunk.encode("utf-8") for chunk in base._chunks(text, special_tokens))
+        merges = train_merges(chunk_counts, vocab_size - smallest)
+        vocab = {b: bytes([b]) for b in range(256)}
+        for (left, right), new_id in merges.items():
+            vocab[new_id] = vocab[left] + vocab[right]
+        specials = {token: len(vocab) + k for k, token in enumerate(special_tokens)}
+        vocab.update({i: token.encode("utf-8") for token, i in specials.items()})
+        return cls(vocab, merges, pattern=pattern, special_tokens=specials)
+
+    def _chunks(self, text: str, special_tokens: Iterable[str] = ()) -> list[str]:
+        """Split text into the chunks merges never cross (special tokens removed)."""
+        pieces = [text]
+        if special_tokens:
+            splitter = regex.compile("|".join(regex.escape(s) for s in sorted(special_tokens, key=len, reverse=True)))
+            pieces = splitter.split(text)
+        if self._split is None:
+            return [piece for piece in pieces if piece]
+        return [chunk for piece in pieces for chunk in self._split.findall(piece)]
+
+    # encoding and decoding -------------------------------------------------------------------
+
+    def encode(self, text: str) -> list[int]:
+        """Text to ids: special tokens first, then the pre-split, then merges within each chunk."""
+        _check_text(text)
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise ValueError(
+                f"text: expected a string UTF-8 can encode, got the lone surrogate {text[exc.start]!r} "
+                f"at index {exc.start}"
+            ) from None
+        pieces = self._special_split.split(text) if self._special_split else [text]
+        ids: list[int] = []
+        for k, piece in enumerate(pieces):
+            if k % 2:  # re.split puts the separators (here: special tokens) at odd positions
+                ids.append(self.special_tokens[piece])
+                continue
+            for chunk in self._split.findall(piece) if self._split else [piece] if piece else []:
+                ids.extend(self._encode_chunk_cached(chunk))
+        return ids
+
+    def _encode_chunk_cached(self, chunk: str) -> list[int]:
+        cached = self._cache.get(chunk)
+        if cached is None:
+            cached = encode_chunk([self.byte_ids[b] for b in chunk.encode("utf-8")], self.merges, self.ranks)
+            if len(self._cache) < 1_000_000:
+                self._cache[chunk] = cached
+        return cached
+
+    def decode(self, ids: Iterable[int]) -> str:
+        """Ids to text; bytes are joined before UTF-8 decoding, so split characters survive."""
+        return decode_ids(_check_ids(ids, self.vocab), self.vocab)
+
+    # saving and loading ----------------------------------------------------------------------
+
+    def save(self, path: str | Path) -> None:
+        """Write the tokenizer as JSON (token bytes in hex)."""
+        state = {
+            "format": FILE_FORMAT,
+            "version": 1,
+            "pattern": self.pattern,
+            "vocab": {str(i): token.hex() for i, token in self.vocab.items()},
+            "merges": [[left, right, new_id] for (left, right), new_id in self.merges.items()],
+            "special_tokens": self.special_tokens,
+        }
+        Path(path).write_text(json.dumps(state, indent=1))
+
+    @classmethod
+    def load(cls, path: str | Path) -> BPETokenizer:
+        """Read a tokenizer written by `save`."""
+        state = json.loads(Path(path).read_text())
+        if not isinstance(state, dict) or state.get("format") != FILE_FORMAT:
+            found = state.get("format") if isinstance(state, dict) else type(state).__name__
+            raise ValueError(f"path: expected a {FILE_FORMAT!r} JSON file written by BPETokenizer.save, got {found!r}")
+        return cls(
+            {int(i): bytes.fromhex(token) for i, token in state["vocab"].items()},
+            {(left, right): new_id for left, right, new_id in state["merges"]},
+            pattern=state["pattern"],
+            special_tokens=state["special_tokens"],
+        )
+
+    # GPT-2 and Hugging Face formats ----------------------------------------------------------
+
+    @classmethod
+    def from_gpt2_files(cls, vocab_json: str | Path, merges_txt: str | Path) -> BPETokenizer:
+        """Load GPT-2's `vocab.json` (token string -> id) and `merges.txt` (one `left right` per line).
+
+        Tokens are written in GPT-2's byte-to-unicode alphabet (see `bytes_to_unicode`). Vocabulary
+        entries that are neither a byte nor a merge result (`<|endoftext|>`) become special tokens.
+        """
+        vocab = json.loads(Path(vocab_json).read_text(encoding="utf-8"))
+        merges = []
+        for number, line in enumerate(Path(merges_txt).read_text(encoding="utf-8").splitlines(), start=1):
+            if line.startswith("#version") or not line.strip():
+                continue
+            parts = line.split(" ")
+            if len(parts) != 2:
+                raise ValueError(f"merges_txt: expected 'left right' on line {number}, got {line!r}")
+            merges.append((parts[0], parts[1]))
+        return cls._from_gpt2_vocab(vocab, merges, pattern=GPT2_SPLIT_PATTERN)
+
+    @classmethod
+    def from_huggingface(cls, tokenizer: Any) -> BPETokenizer:
+        """Copy a Hugging Face `tokenizers.Tokenizer` with a byte-level BPE model; ids stay identical."""
+        try:
+            config = json.loads(tokenizer.to_str())
+        except AttributeError:
+            raise TypeError(f"tokenizer: expected a tokenizers.Tokenizer, got {type(tokenizer).__name__}") from None
+        model = config["model"]
+        pre = config.get("pre_tokenizer") or {}
+        problems = {
+            "model": (model.get("type"), "BPE"),
+            "pre_tokenizer": (pre.get("type"), "ByteLevel"),
+            "normalizer": (config.get("normalizer"), None),
+            "pre_tokenizer.add_prefix_space": (pre.get("add_prefix_space"), False),
+            "model.dropout": (model.get("dropout"), None),
+            "model.continuing_subword_prefix": (model.get("continuing_subword_prefix") or None, None),
+            "model.end_of_word_suffix": (model.get("end_of_word_suffix") or None, None),
+            "model.ignore_merges": (model.get("ignore_merges", False), False),
+        }
+        for name, (actual, expected) in problems.items():
+            if actual != expected:
+                raise ValueError(f"tokenizer: expected {name}={expected!r} (byte-level BPE), got {actual!r}")
+        merges = [tuple(m.split(" ")) if isinstance(m, str) else tuple(m) for m in model["merges"]]
+        vocab = dict(model["vocab"])
+        specials = {}
+        for added in config.get("added_tokens", []):
+            vocab[added["content"]] = added["id"]
+            specials[added["content"]] = added["id"]
+        pattern = GPT2_SPLIT_PATTERN if pre.get("use_regex", True) else None
+        return cls._from_gpt2_vocab(vocab, merges, pattern=pattern, special_tokens=specials)
+
+    @classmethod
+    def _from_gpt2_vocab(
+        cls,
+        vocab: Mapping[str, int],
+        merges: Sequence[tuple[str, str]],
+        *,
+        pattern: str | None,
+        special_tokens: Mapping[str, int] | None = None,
+    ) -> BPETokenizer:
+        """Build from token strings in GPT-2's byte-to-unicode alphabet (shared by both formats)."""
+        to_byte = {char: b for b, char in bytes_to_unicode().items()}
+        special_tokens = dict(special_tokens or {})
+        merged_tokens = {left + right for left, right in merges}
+        ids: dict[int, bytes] = {}
+        for token, i in vocab.items():
+            if token in special_tokens:
+                ids[i] = token.encode("utf-8")
+            elif len(token) == 1 and token in to_byte or token in merged_tokens:
+                try:
+                    ids[i] = bytes(to_byte[char] for char in token)
+                except KeyError as exc:
+                    raise ValueError(f"vocab: expected tokens in GPT-2's byte alphabet, got {token!r}") from exc
+            else:
+                special_tokens[token] = i
+                ids[i] = token.encode("utf-8")
+        pairs = {}
+        for rank, (left, right) in enumerate(merges):
+            for part in (left, right, left + right):
+                if part not in vocab:
+                    raise ValueError(f"merges: expected tokens in the vocabulary, got {part!r} in merge {rank}")
+            pairs[(vocab[left], vocab[right])] = vocab[left + right]
+        return cls(ids, pairs, pattern=pattern, special_tokens=special_tokens)

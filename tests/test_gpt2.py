@@ -1,0 +1,322 @@
+"""GPT-2 against Hugging Face's `GPT2LMHeadModel` and TransformerLens's `HookedTransformer`.
+
+Every reference model is built from a config with random weights (no download). Biases and
+layer-norm parameters are randomised too, so a loader that drops or misplaces them fails.
+Tolerances: float32 logits within max abs diff 1e-4 (the brief's bound); float64 within 1e-10.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformer_lens import HookedTransformer, HookedTransformerConfig
+from transformers import GPT2Config as HFGPT2Config
+from transformers import GPT2LMHeadModel
+
+from transformer_course.gpt2 import (
+    GPT2,
+    Embed,
+    GPT2Config,
+    PosEmbed,
+    Unembed,
+    estimate_loss,
+    generate,
+    lm_loss,
+    sample_batch,
+)
+
+TINY = dict(n_layer=2, n_embd=32, n_head=4, vocab_size=61, n_positions=16)
+
+
+def randomise_(model: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
+    """Give every parameter (biases and layer norms included) random values."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.copy_(torch.randn(param.shape, generator=generator, dtype=param.dtype) * 0.1 + (param == 1) * 1.0)
+    return model
+
+
+def hf_model(dtype=torch.float32, **overrides) -> GPT2LMHeadModel:
+    config = HFGPT2Config(
+        **{**TINY, **overrides},
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
+    torch.manual_seed(0)
+    return randomise_(GPT2LMHeadModel(config)).to(dtype).eval()
+
+
+def tl_model(dtype=torch.float64) -> HookedTransformer:
+    cfg = HookedTransformerConfig(
+        n_layers=2,
+        d_model=32,
+        n_heads=4,
+        d_head=8,
+        d_mlp=128,
+        d_vocab=61,
+        n_ctx=16,
+        act_fn="gelu_new",
+        normalization_type="LN",
+        positional_embedding_type="standard",
+        eps=1e-5,
+        dtype=dtype,
+        seed=0,
+    )
+    return randomise_(HookedTransformer(cfg)).eval()
+
+
+def tiny_gpt2(**overrides) -> GPT2:
+    torch.manual_seed(0)
+    cfg = GPT2Config(**{**dict(d_model=32, n_layers=2, n_heads=4, d_vocab=61, n_ctx=16), **overrides})
+    return GPT2(cfg).eval()
+
+
+def test_config_defaults_are_gpt2_small():
+    cfg = GPT2Config()
+    assert (cfg.d_model, cfg.n_layers, cfg.n_heads, cfg.d_head, cfg.d_mlp) == (768, 12, 12, 64, 3072)
+    assert (cfg.d_vocab, cfg.n_ctx, cfg.layer_norm_eps, cfg.init_range) == (50257, 1024, 1e-5, 0.02)
+
+
+@pytest.mark.parametrize(
+    "kwargs, word",
+    [
+        (dict(d_model=30, n_heads=4), "divisible"),
+        (dict(n_layers=0), "n_layers"),
+        (dict(dropout=1.5), "dropout"),
+        (dict(d_vocab=2.5), "d_vocab"),
+    ],
+)
+def test_config_rejects_bad_values(kwargs, word):
+    with pytest.raises(ValueError, match=word):
+        GPT2Config(**kwargs)
+
+
+def test_component_shapes_and_initialisation():
+    torch.manual_seed(0)
+    cfg = GPT2Config(d_model=64, n_layers=2, n_heads=4, d_vocab=500, n_ctx=32)
+    tokens = torch.randint(0, cfg.d_vocab, (3, 10))
+    assert Embed(cfg)(tokens).shape == (3, 10, 64)
+    pos = PosEmbed(cfg)
+    out = pos(tokens)
+    assert out.shape == (3, 10, 64) and torch.equal(out[1], pos.W_pos[:10])
+    unembed = Unembed(cfg)
+    assert unembed(torch.randn(3, 10, 64)).shape == (3, 10, 500)
+    assert torch.equal(unembed.b_U, torch.zeros(500))
+    model = GPT2(cfg)
+    # GPT-2 scales the residual-writing projections by 1/sqrt(2 n_layers); the rest use init_range.
+    assert abs(model.embed.W_E.std().item() - 0.02) < 0.002
+    expected_residual_std = 0.02 / (2 * cfg.n_layers) ** 0.5
+    for block in model.blocks:
+        assert abs(block.attn.W_O.std().item() - expected_residual_std) < 0.15 * expected_residual_std
+        assert abs(block.mlp.W_out.std().item() - expected_residual_std) < 0.15 * expected_residual_std
+        assert abs(block.attn.W_Q.std().item() - 0.02) < 0.003
+        for name, param in block.named_parameters():
+            if name.rsplit(".", 1)[-1].startswith("b"):
+                assert torch.equal(param, torch.zeros_like(param)), name
+
+
+@pytest.mark.parametrize("dtype, atol", [(torch.float32, 1e-4), (torch.float64, 1e-10)])
+def test_from_huggingface_matches_hf_logits_tiny(dtype, atol):
+    reference = hf_model(dtype)
+    ours = GPT2.from_huggingface(reference).eval()
+    assert next(ours.parameters()).dtype == dtype
+    tokens = torch.randint(0, TINY["vocab_size"], (3, TINY["n_positions"]), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected = reference(tokens).logits
+        actual = ours(tokens)
+    assert actual.shape == expected.shape == (3, 16, 61)
+    assert (actual - expected).abs().max().item() <= atol
+
+
+def test_from_huggingface_matches_hf_logits_gpt2_small_architecture():
+    torch.manual_seed(0)
+    reference = GPT2LMHeadModel(HFGPT2Config()).eval()  # GPT-2 small's shape, random weights
+    ours = GPT2.from_huggingface(reference).eval()
+    assert ours.cfg == GPT2Config()
+    tokens = torch.randint(0, 50257, (1, 8), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        diff = (ours(tokens) - reference(tokens).logits).abs().max().item()
+    assert diff <= 1e-4
+
+
+def test_from_huggingface_rejects_non_gpt2_variants():
+    reference = hf_model(scale_attn_by_inverse_layer_idx=True)
+    with pytest.raises(ValueError, match="scale_attn_by_inverse_layer_idx"):
+        GPT2.from_huggingface(reference)
+
+
+def test_lm_loss_matches_hf_loss():
+    reference = hf_model(torch.float64)
+    ours = GPT2.from_huggingface(reference).eval()
+    tokens = torch.randint(0, 61, (2, 12), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        expected = reference(tokens, labels=tokens).loss  # HF shifts the labels itself
+        actual = lm_loss(ours(tokens)[:, :-1], tokens[:, 1:])
+    torch.testing.assert_close(actual, expected, atol=1e-10, rtol=0)
+
+
+def test_transformer_lens_state_dict_loads_and_logits_match():
+    reference = tl_model()
+    ours = tiny_gpt2().double()
+    result = ours.load_state_dict(reference.state_dict(), strict=True)
+    assert not result.missing_keys and not result.unexpected_keys
+    tokens = torch.randint(0, 61, (2, 16), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        torch.testing.assert_close(ours(tokens), reference(tokens), atol=1e-10, rtol=0)
+
+
+def test_activations_match_transformer_lens_cache_by_name():
+    reference = tl_model()
+    ours = tiny_gpt2().double()
+    ours.load_state_dict(reference.state_dict())
+    tokens = torch.randint(0, 61, (2, 11), generator=torch.Generator().manual_seed(4))
+    _, expected = reference.run_with_cache(tokens)
+    logits, actual = ours.run_with_cache(tokens)
+    assert logits.shape == (2, 11, 61)
+    required = {
+        "hook_embed",
+        "hook_pos_embed",
+        *(
+            f"blocks.{layer}.{name}"
+            for layer in range(2)
+            for name in (
+                "hook_resid_pre",
+                "ln1.hook_normalized",
+                "attn.hook_q",
+                "attn.hook_k",
+                "attn.hook_v",
+                "attn.hook_pattern",
+                "attn.hook_z",
+                "hook_attn_out",
+                "hook_resid_mid",
+                "mlp.hook_pre",
+                "mlp.hook_post",
+                "hook_mlp_out",
+                "hook_resid_post",
+            )
+        ),
+        "ln_final.hook_normalized",
+    }
+    missing = required - set(actual.keys())
+    assert not missing, f"hook points missing from our cache: {sorted(missing)}"
+    for name in required:
+        torch.testing.assert_close(actual[name], expected[name], atol=1e-10, rtol=0, msg=name)
+
+
+@pytest.mark.parametrize(
+    "tokens, error, word",
+    [
+        (torch.zeros(1, 17, dtype=torch.long), ValueError, "n_ctx=16"),
+        (torch.tensor([[1, 2, 61]]), ValueError, "d_vocab=61"),
+        (torch.tensor([[1, -1, 3]]), ValueError, "d_vocab=61"),
+        (torch.tensor([[1.0, 2.0]]), TypeError, "integer"),
+        (torch.tensor([[True, False]]), TypeError, "integer"),
+        (torch.tensor([1, 2, 3]), ValueError, r"\(batch, pos\)"),
+        ([[1, 2, 3]], TypeError, "torch.Tensor"),
+    ],
+)
+def test_bad_tokens_give_clear_errors(tokens, error, word):
+    model = tiny_gpt2()
+    with pytest.raises(error, match=word):
+        model(tokens)
+
+
+def test_int32_tokens_work():
+    model = tiny_gpt2()
+    tokens = torch.randint(0, 61, (2, 5))
+    torch.testing.assert_close(model(tokens.int()), model(tokens))
+
+
+def greedy_loop(model: GPT2, tokens: torch.Tensor, steps: int) -> torch.Tensor:
+    """The textbook greedy decoder, written independently of `generate`."""
+    out = tokens.clone()
+    for _ in range(steps):
+        with torch.no_grad():
+            logits = model(out[:, -model.cfg.n_ctx :])
+        out = torch.cat([out, logits[:, -1].argmax(-1, keepdim=True)], dim=1)
+    return out
+
+
+def test_generate_temperature_zero_is_greedy_and_crops_context():
+    model = tiny_gpt2()
+    prompt = torch.randint(0, 61, (3, 5), generator=torch.Generator().manual_seed(5))
+    out = generate(model, prompt, 20, temperature=0)  # 25 tokens > n_ctx=16: context is cropped
+    assert out.shape == (3, 25) and out.dtype == prompt.dtype
+    assert torch.equal(out[:, :5], prompt)
+    assert torch.equal(out, greedy_loop(model, prompt, 20))
+
+
+def test_generate_top_k_restricts_samples_to_the_k_most_likely():
+    model = tiny_gpt2()
+    prompt = torch.randint(0, 61, (4, 3), generator=torch.Generator().manual_seed(6))
+    k = 3
+    out = generate(model, prompt, 10, temperature=2.0, top_k=k, generator=torch.Generator().manual_seed(7))
+    with torch.no_grad():
+        for step in range(3, out.shape[1]):
+            logits = model(out[:, max(0, step - 16) : step])[:, -1]
+            allowed = logits.topk(k, dim=-1).indices
+            assert (allowed == out[:, step : step + 1]).any(dim=1).all(), f"sample outside the top {k} at {step}"
+    # top_k=1 leaves one candidate: the same as greedy whatever the temperature.
+    one = generate(model, prompt, 10, temperature=5.0, top_k=1, generator=torch.Generator().manual_seed(8))
+    assert torch.equal(one, greedy_loop(model, prompt, 10))
+
+
+def test_generate_samples_follow_the_softmax():
+    """With temperature 1 and no top_k, sample frequencies match the model's probabilities."""
+    model = tiny_gpt2()
+    prompt = torch.tensor([[4, 9, 2]])
+    with torch.no_grad():
+        probs = model(prompt)[0, -1].softmax(-1)
+    draws = generate(model, prompt.expand(4000, 3), 1, generator=torch.Generator().manual_seed(9))[:, -1]
+    freq = torch.bincount(draws, minlength=61).double() / 4000
+    assert (freq - probs.double()).abs().max().item() < 0.03  # ~4 standard errors at p = 0.1
+
+
+def test_generate_restores_training_mode_and_checks_arguments():
+    model = tiny_gpt2(dropout=0.1).train()
+    prompt = torch.tensor([[1, 2]])
+    generate(model, prompt, 2)
+    assert model.training
+    with pytest.raises(ValueError, match="temperature"):
+        generate(model, prompt, 2, temperature=-1.0)
+    with pytest.raises(ValueError, match="top_k"):
+        generate(model, prompt, 2, top_k=0)
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        generate(model, prompt, -1)
+
+
+def test_bf16_autocast_close_to_float32():
+    model = tiny_gpt2()
+    tokens = torch.randint(0, 61, (2, 16), generator=torch.Generator().manual_seed(10))
+    with torch.no_grad():
+        expected = model(tokens)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            actual = model(tokens)
+    assert not torch.isnan(actual).any()
+    assert (actual.float() - expected).abs().max().item() < 0.05  # bf16 keeps ~3 significant digits
+
+
+def test_sample_batch_targets_are_inputs_shifted_by_one():
+    data = torch.arange(100)
+    x, y = sample_batch(data, 5, 8, generator=torch.Generator().manual_seed(0))
+    assert x.shape == y.shape == (5, 8)
+    assert torch.equal(y, x + 1)  # data[i] == i
+    assert int(y.max()) <= 99
+
+
+def test_training_overfits_one_batch():
+    from transformer_course.training import TrainConfig, train
+
+    model = tiny_gpt2().train()
+    x, y = sample_batch(torch.randint(0, 61, (500,), generator=torch.Generator().manual_seed(0)), 4, 16)
+    cfg = TrainConfig(max_steps=150, lr=3e-3, warmup_steps=10, lr_schedule="cosine", progress=False, log_every=0)
+    history = train(model, cfg, lambda step: (x, y), lambda m, b: lm_loss(m(b[0]), b[1]))
+    assert history.train_loss[0] > 3.5  # about ln(61) = 4.1 at initialisation
+    assert history.train_loss[-1] < 0.5
+    loss = estimate_loss(model, torch.cat([x[0], y[0, -1:]]), batch_size=1, block_size=16, n_batches=1)
+    assert loss < 0.5

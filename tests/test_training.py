@@ -1,0 +1,265 @@
+"""The shared training loop: schedules, optimizer groups, checkpoints and resumption."""
+
+from __future__ import annotations
+
+import math
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from transformer_course.training import (
+    CHECKPOINT_NAME,
+    TrainConfig,
+    cosine_lr,
+    inverse_sqrt_lr,
+    load_checkpoint,
+    lr_at,
+    make_optimizer,
+    train,
+)
+
+
+class Tiny(nn.Module):
+    """A small regression model with dropout, so resumption must restore the RNG too."""
+
+    def __init__(self, hidden: int = 16):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(4, hidden), nn.ReLU(), nn.Dropout(0.3), nn.Linear(hidden, 1))
+
+    def forward(self, x):
+        return self.net(x)
+
+
+def get_batch(step: int):
+    # Uses the global RNG on purpose: resumption must restore it.
+    x = torch.randn(8, 4)
+    noise = float(np.random.rand())
+    return x, x.sum(-1, keepdim=True) + noise
+
+
+def mse(model, batch):
+    x, y = batch
+    return nn.functional.mse_loss(model(x), y)
+
+
+def config(**overrides) -> TrainConfig:
+    settings = dict(max_steps=20, lr=1e-2, warmup_steps=3, lr_schedule="cosine", weight_decay=0.1, progress=False)
+    settings.update(overrides)
+    return TrainConfig(**settings)
+
+
+def test_inverse_sqrt_matches_the_paper_formula():
+    # Vaswani et al. (2017), eq. 3: lrate = d_model^-0.5 * min(n^-0.5, n * warmup^-1.5), n = step + 1.
+    d_model, warmup = 512, 4000
+    for step in (0, 1, 999, 3998, 3999, 4000, 10_000, 99_999):
+        n = step + 1
+        paper = d_model**-0.5 * min(n**-0.5, n * warmup**-1.5)
+        ours = inverse_sqrt_lr(step, lr=(d_model * warmup) ** -0.5, warmup_steps=warmup)
+        assert ours == pytest.approx(paper, rel=1e-12)
+
+
+def test_cosine_schedule_endpoints():
+    # Written out by hand: warmup is linear, the midpoint of the cosine is halfway, the end is min_lr.
+    assert cosine_lr(0, lr=1.0, warmup_steps=10, max_steps=110) == pytest.approx(0.1)
+    assert cosine_lr(9, lr=1.0, warmup_steps=10, max_steps=110) == pytest.approx(1.0)
+    assert cosine_lr(60, lr=1.0, warmup_steps=10, max_steps=110, min_lr=0.2) == pytest.approx(0.6)
+    assert cosine_lr(110, lr=1.0, warmup_steps=10, max_steps=110, min_lr=0.2) == pytest.approx(0.2)
+    assert lr_at(config(lr_schedule=lambda s: 0.5 * s), 4) == 2.0
+
+
+def test_bad_config_is_refused():
+    with pytest.raises(ValueError, match="lr_schedule"):
+        TrainConfig(max_steps=1, lr=1e-3, lr_schedule="linear")
+    with pytest.raises(ValueError, match="lr"):
+        TrainConfig(max_steps=1, lr=0.0)
+    with pytest.raises(ValueError, match="checkpoint_dir"):
+        TrainConfig(max_steps=1, lr=1e-3, checkpoint_every=5)
+
+
+def test_weight_decay_only_on_matrices():
+    class WithHeadBias(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.W_Q = nn.Parameter(torch.randn(2, 4, 3))
+            self.b_Q = nn.Parameter(torch.zeros(2, 3))  # 2-d, but a bias
+            self.ln = nn.LayerNorm(4)
+            self.embed = nn.Embedding(10, 4)
+
+    model = WithHeadBias()
+    decay, no_decay = make_optimizer(model, config()).param_groups
+    assert decay["weight_decay"] == 0.1 and no_decay["weight_decay"] == 0.0
+    ids = lambda group: {id(p) for p in group["params"]}  # noqa: E731
+    assert ids(decay) == {id(model.W_Q), id(model.embed.weight)}
+    assert ids(no_decay) == {id(model.b_Q), id(model.ln.weight), id(model.ln.bias)}
+
+
+def test_train_equals_a_hand_written_adamw_loop():
+    cfg = config(grad_clip=0.5)
+    torch.manual_seed(1)
+    model = Tiny()
+    reference = Tiny()
+    reference.load_state_dict(model.state_dict())
+    history = train(model, cfg, get_batch, mse)
+
+    # The same steps with torch's AdamW, written out directly.
+    decay = [p for n, p in reference.named_parameters() if n.endswith("weight")]
+    rest = [p for n, p in reference.named_parameters() if n.endswith("bias")]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}], betas=(0.9, 0.95))
+    torch.manual_seed(0)
+    np.random.seed(0)
+    reference.train()
+    losses = []
+    for step in range(cfg.max_steps):
+        lr = cosine_lr(step, lr=1e-2, warmup_steps=3, max_steps=20)
+        for group in opt.param_groups:
+            group["lr"] = lr
+        loss = mse(reference, get_batch(step))
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.5)
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    assert history.train_loss == pytest.approx(losses, rel=1e-6)
+    assert len(history.lr) == len(history.grad_norm) == cfg.max_steps
+    for a, b in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(a, b)
+
+
+def test_evaluate_is_called_in_eval_mode_without_grad():
+    seen = []
+
+    def evaluate(model):
+        seen.append((model.training, torch.is_grad_enabled()))
+        return {"valid_loss": 1.0}
+
+    history = train(Tiny(), config(max_steps=10, eval_every=4), get_batch, mse, evaluate=evaluate)
+    assert [e["step"] for e in history.evals] == [4, 8, 10]
+    assert seen == [(False, False)] * 3
+
+
+def test_resume_equals_uninterrupted(tmp_path):
+    torch.manual_seed(3)
+    initial = Tiny().state_dict()
+
+    def run(max_steps, folder):
+        model = Tiny()
+        model.load_state_dict(initial)
+        cfg = config(max_steps=max_steps, lr_schedule="inverse_sqrt", checkpoint_every=5, checkpoint_dir=folder)
+        return model, train(model, cfg, get_batch, mse)
+
+    full_model, full = run(20, tmp_path / "full")
+    run(10, tmp_path / "split")  # stops after step 10, leaving its checkpoint
+    torch.manual_seed(123)  # disturb every RNG: the checkpoint must restore them
+    np.random.seed(123)
+    resumed_model, resumed = run(20, tmp_path / "split")
+    assert resumed.train_loss == full.train_loss  # bit-identical
+    for a, b in zip(full_model.parameters(), resumed_model.parameters()):
+        assert torch.equal(a, b)
+
+
+def test_checkpoint_write_is_atomic(tmp_path, monkeypatch):
+    cfg = config(max_steps=5, checkpoint_every=5, checkpoint_dir=tmp_path)
+    train(Tiny(), cfg, get_batch, mse)
+    path = tmp_path / CHECKPOINT_NAME
+    before = path.read_bytes()
+
+    def crash(obj, f):
+        f.write(b"half a checkpoint")
+        raise OSError("disk full")
+
+    monkeypatch.setattr(torch, "save", crash)
+    with pytest.raises(OSError, match="disk full"):
+        train(Tiny(), config(max_steps=10, checkpoint_every=5, checkpoint_dir=tmp_path), get_batch, mse)
+    assert path.read_bytes() == before  # the old checkpoint is untouched
+    assert os.listdir(tmp_path) == [CHECKPOINT_NAME]  # and no temporary file is left behind
+
+
+def test_resuming_another_architecture_names_the_difference(tmp_path):
+    train(Tiny(16), config(max_steps=2, checkpoint_dir=tmp_path), get_batch, mse)
+    with pytest.raises(ValueError, match=r"net\.0\.weight: checkpoint shape \(16, 4\), this model \(32, 4\)"):
+        train(Tiny(32), config(max_steps=4, checkpoint_dir=tmp_path), get_batch, mse)
+    with pytest.raises(FileNotFoundError, match="no checkpoint"):
+        load_checkpoint(tmp_path / "missing.pt", Tiny())
+
+
+def test_progress_prints_plain_lines_in_notebooks(capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "ipykernel", sys)  # pretend to run inside Jupyter
+    train(Tiny(), config(max_steps=6, log_every=3, progress=True), get_batch, mse)
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split("|")[0].strip() for line in lines] == ["step      3", "step      6"]
+
+
+def test_runs_under_distributed_data_parallel(tmp_path):
+    import torch.distributed as dist
+
+    torch.manual_seed(5)
+    model, reference = Tiny(), Tiny()
+    reference.load_state_dict(model.state_dict())
+    expected = train(reference, config(max_steps=5), get_batch, mse)
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rendezvous'}", rank=0, world_size=1)
+    try:
+        history = train(model, config(max_steps=5), get_batch, mse)
+    finally:
+        dist.destroy_process_group()
+    assert history.train_loss == pytest.approx(expected.train_loss, rel=1e-6)
+
+
+KILLABLE_RUN = """
+import sys, time, torch
+from torch import nn
+from transformer_course.training import TrainConfig, train
+
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Dropout(0.3), nn.Linear(16, 1))
+
+def get_batch(step):
+    time.sleep(float(sys.argv[2]))  # slow enough to be killed mid-run
+    g = torch.Generator().manual_seed(step)
+    x = torch.randn(8, 4, generator=g)
+    return x, x.sum(-1, keepdim=True)
+
+def loss_fn(model, batch):
+    return nn.functional.mse_loss(model(batch[0]), batch[1])
+
+cfg = TrainConfig(max_steps=40, lr=1e-2, lr_schedule="inverse_sqrt", warmup_steps=5, checkpoint_every=5,
+                  checkpoint_dir=sys.argv[1], progress=False)
+history = train(model, cfg, get_batch, loss_fn)
+print(repr(history.train_loss[-1]))
+"""
+
+
+@pytest.mark.slow
+def test_sigkilled_run_resumes_to_the_same_final_loss(tmp_path):
+    script = tmp_path / "run.py"
+    script.write_text(textwrap.dedent(KILLABLE_RUN))
+
+    def finish(folder: Path, delay: str = "0") -> str:
+        done = subprocess.run([sys.executable, str(script), str(folder), delay], capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stderr
+        return done.stdout.strip()
+
+    uninterrupted = finish(tmp_path / "a")
+
+    folder = tmp_path / "b"
+    victim = subprocess.Popen([sys.executable, str(script), str(folder), "0.05"])
+    deadline = time.monotonic() + 60
+    while not (folder / CHECKPOINT_NAME).exists():
+        assert victim.poll() is None, "the run ended before it could be killed"
+        assert time.monotonic() < deadline, "no checkpoint appeared"
+        time.sleep(0.02)
+    victim.send_signal(signal.SIGKILL)
+    victim.wait()
+    assert victim.returncode == -signal.SIGKILL
+    saved = torch.load(folder / CHECKPOINT_NAME, weights_only=True)["step"]
+    assert 0 < saved < 40  # killed part-way
+    assert finish(folder) == uninterrupted
+    assert not math.isnan(float(uninterrupted))
