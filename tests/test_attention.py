@@ -250,9 +250,10 @@ def test_fast_path_equals_einsum_path(mask_kind):
         torch.testing.assert_close(a, b, atol=1e-11, rtol=0)
 
 
-@pytest.mark.parametrize(("dtype", "atol"), [(torch.bfloat16, 0.1), (torch.float16, 0.02)])
+@pytest.mark.parametrize(("dtype", "rel"), [(torch.bfloat16, 0.02), (torch.float16, 0.004)])
 @pytest.mark.parametrize("fast", [False, True])
-def test_mha_low_precision_is_close(dtype, atol, fast):
+def test_mha_low_precision_is_close(dtype, rel, fast):
+    """bf16 keeps 8 bits of mantissa, fp16 11: errors of a few ulps of the largest output."""
     mine = _randomise(MultiHeadAttention(32, 4).double(), seed=4)
     x = torch.randn(2, 10, 32, dtype=torch.float64)
     mask = combine_masks(causal_mask(10), padding_mask(torch.tensor([[0] * 3 + [1] * 7, [1] * 10]), 0))
@@ -261,8 +262,8 @@ def test_mha_low_precision_is_close(dtype, atol, fast):
     low.use_fast_path = fast
     actual = low(x.to(dtype), mask=mask)
     assert actual.dtype == dtype and torch.isfinite(actual).all()
-    assert expected.abs().max() > 0.5  # the tolerance is small relative to the outputs
-    torch.testing.assert_close(actual.double(), expected, atol=atol, rtol=0)
+    scale = expected.abs().max().item()
+    torch.testing.assert_close(actual.double(), expected, atol=rel * scale, rtol=0)
 
 
 def test_mha_parameters_and_init():

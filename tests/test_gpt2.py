@@ -290,6 +290,18 @@ def test_generate_restores_training_mode_and_checks_arguments():
         generate(model, prompt, -1)
 
 
+def test_fast_path_matches_the_einsum_path():
+    reference = tl_model()
+    model = tiny_gpt2().double()
+    model.load_state_dict(reference.state_dict())
+    tokens = torch.randint(0, 61, (2, 16), generator=torch.Generator().manual_seed(11))
+    with torch.no_grad():
+        slow = model(tokens)
+        fast = model.use_fast_path()(tokens)
+    assert all(block.attn.use_fast_path for block in model.blocks)
+    torch.testing.assert_close(fast, slow, atol=1e-10, rtol=0)
+
+
 def test_bf16_autocast_close_to_float32():
     model = tiny_gpt2()
     tokens = torch.randint(0, 61, (2, 16), generator=torch.Generator().manual_seed(10))
@@ -314,7 +326,7 @@ def test_training_overfits_one_batch():
 
     model = tiny_gpt2().train()
     x, y = sample_batch(torch.randint(0, 61, (500,), generator=torch.Generator().manual_seed(0)), 4, 16)
-    cfg = TrainConfig(max_steps=150, lr=3e-3, warmup_steps=10, lr_schedule="cosine", progress=False, log_every=0)
+    cfg = TrainConfig(max_steps=60, lr=1e-2, warmup_steps=5, lr_schedule="cosine", progress=False, log_every=0)
     history = train(model, cfg, lambda step: (x, y), lambda m, b: lm_loss(m(b[0]), b[1]))
     assert history.train_loss[0] > 3.5  # about ln(61) = 4.1 at initialisation
     assert history.train_loss[-1] < 0.5

@@ -163,7 +163,7 @@ class MultiHeadAttention(HookedRootModule):
 
     def _check_input(self, name: str, t: Tensor, batch: int | None = None) -> None:
         if not isinstance(t, Tensor) or t.ndim != 3 or t.shape[-1] != self.d_model:
-            got = f"shape {_shape(t)}" if isinstance(t, Tensor) else type(t).__name__
+            got = f"shape {tuple(t.shape)}" if isinstance(t, Tensor) else type(t).__name__
             raise ValueError(f"{name}: expected shape (batch, pos, d_model={self.d_model}), got {got}")
         if batch is not None and t.shape[0] != batch:
             raise ValueError(f"{name}: expected batch size {batch} (the batch size of x), got {t.shape[0]}")

@@ -75,20 +75,22 @@ class Seq2SeqConfig:
             )
 
 
-def sinusoidal_positional_encoding(max_len: int, d_model: int) -> Float[Tensor, "pos d_model"]:
+def sinusoidal_positional_encoding(
+    max_len: int, d_model: int, *, dtype: torch.dtype = torch.float32, device: torch.device | str | None = None
+) -> Float[Tensor, "pos d_model"]:
     """The paper's fixed position vectors: PE[pos, 2i] = sin(pos / 10000^(2i/d_model)), PE[pos, 2i+1] = cos(...).
 
     Each pair of dimensions is a clock turning at its own frequency, from one turn every 2π
     positions down to one every 10000·2π, so nearby positions get similar vectors and
     PE[pos + k] is a fixed rotation of PE[pos].
     """
-    position = torch.arange(max_len, dtype=torch.float64)[:, None]
-    frequency = 10000.0 ** (-torch.arange(0, d_model, 2, dtype=torch.float64) / d_model)
+    position = torch.arange(max_len, dtype=torch.float64, device=device)[:, None]
+    frequency = 10000.0 ** (-torch.arange(0, d_model, 2, dtype=torch.float64, device=device) / d_model)
     angles = position * frequency  # (pos, d_model / 2)
-    pe = torch.zeros(max_len, d_model, dtype=torch.float64)
+    pe = torch.zeros(max_len, d_model, dtype=torch.float64, device=device)
     pe[:, 0::2] = torch.sin(angles)
     pe[:, 1::2] = torch.cos(angles)
-    return pe.float()
+    return pe.to(dtype)
 
 
 class TokenEmbedding(nn.Module):
@@ -102,7 +104,6 @@ class TokenEmbedding(nn.Module):
         super().__init__()
         self.d_model, self.max_len = d_model, max_len
         self.W_E = nn.Parameter(torch.randn(vocab, d_model) * d_model**-0.5)
-        self.register_buffer("pe", sinusoidal_positional_encoding(max_len, d_model), persistent=False)
         self.dropout = nn.Dropout(dropout)
 
     def forward(self, tokens: Int[Tensor, "batch pos"]) -> Float[Tensor, "batch pos d_model"]:
@@ -112,7 +113,8 @@ class TokenEmbedding(nn.Module):
                 f"(shape {tuple(tokens.shape)}); shorten the sentence or build the model with a larger max_len"
             )
         x = self.W_E[tokens] * math.sqrt(self.d_model)
-        return self.dropout(x + self.pe[: tokens.shape[-1]])
+        pe = sinusoidal_positional_encoding(tokens.shape[-1], self.d_model, dtype=x.dtype, device=x.device)
+        return self.dropout(x + pe)
 
 
 class EncoderBlock(nn.Module):

@@ -20,7 +20,8 @@ import torch
 import torch.nn.functional as F
 from jaxtyping import Float, Int
 from torch import Tensor, nn
-from transformer_lens.hook_points import HookedRootModule, HookPoint
+from transformer_lens.hook_points import HookPoint
+from transformer_lens.HookedRootModule import HookedRootModule
 
 from transformer_course.blocks import TransformerBlock
 from transformer_course.layernorm import LayerNorm
@@ -31,6 +32,7 @@ __all__ = [
     "PosEmbed",
     "Unembed",
     "GPT2",
+    "check_tokens",
     "generate",
     "lm_loss",
     "sample_batch",
@@ -175,7 +177,7 @@ class GPT2(HookedRootModule):
         self.ln_final = LayerNorm(cfg.d_model, eps=cfg.layer_norm_eps)
         self.unembed = Unembed(cfg)
         self._init_weights()
-        self.register_load_state_dict_pre_hook(_drop_transformer_lens_buffers)
+        self.register_load_state_dict_pre_hook(self._drop_transformer_lens_buffers)
         self.setup()
 
     def _init_weights(self) -> None:
@@ -193,6 +195,15 @@ class GPT2(HookedRootModule):
                     nn.init.zeros_(param)
                 elif leaf == "w":
                     nn.init.ones_(param)
+
+    @staticmethod
+    def _drop_transformer_lens_buffers(module: nn.Module, state_dict: dict, prefix: str, *args) -> None:
+        """TransformerLens stores each attention layer's causal `mask` and `IGNORE` value as
+        buffers; our attention builds its mask on the fly, so those entries carry nothing here."""
+        own = module.state_dict().keys()
+        for key in [k for k in state_dict if k.startswith(prefix)]:
+            if key.endswith((".attn.mask", ".attn.IGNORE")) and key[len(prefix) :] not in own:
+                del state_dict[key]
 
     def forward(self, tokens: Int[Tensor, "batch pos"]) -> Float[Tensor, "batch pos d_vocab"]:
         check_tokens(tokens, self.cfg)
@@ -280,15 +291,6 @@ class GPT2(HookedRootModule):
         model.load_state_dict(state)
         reference = hf["transformer.wte.weight"]
         return model.to(device=reference.device, dtype=reference.dtype)
-
-
-def _drop_transformer_lens_buffers(module, state_dict, prefix, *args) -> None:
-    """TransformerLens stores each attention layer's causal `mask` and `IGNORE` value as buffers;
-    our attention builds its mask on the fly, so those entries carry no information here."""
-    own = module.state_dict().keys()
-    for key in [k for k in state_dict if k.startswith(prefix)]:
-        if key.endswith((".attn.mask", ".attn.IGNORE")) and key[len(prefix) :] not in own:
-            del state_dict[key]
 
 
 @torch.no_grad()

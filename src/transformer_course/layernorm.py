@@ -46,6 +46,7 @@ class LayerNorm(nn.Module):
         self.hook_normalized = HookPoint()  # [*batch, d_model]: before the learned scale and shift
 
     def forward(self, x: Float[Tensor, "*batch d_model"]) -> Float[Tensor, "*batch d_model"]:
+        """Normalise each vector of `x` over its last dim, then apply the learned `w` and `b`."""
         check_last_dim(x, self.d_model)
         x = x - x.mean(dim=-1, keepdim=True)
         variance = x.pow(2).mean(dim=-1, keepdim=True)  # biased: divide by d_model, not d_model - 1
@@ -74,6 +75,7 @@ class RMSNorm(nn.Module):
         self.hook_normalized = HookPoint()  # [*batch, d_model]: before the learned scale
 
     def forward(self, x: Float[Tensor, "*batch d_model"]) -> Float[Tensor, "*batch d_model"]:
+        """Divide each vector of `x` by its root mean square over the last dim, then scale by `w`."""
         check_last_dim(x, self.d_model)
         mean_square = x.pow(2).mean(dim=-1, keepdim=True)
         scale: Float[Tensor, "*batch 1"] = self.hook_scale((mean_square + self.eps).sqrt())

@@ -19,10 +19,11 @@ import torch
 from jaxtyping import Bool, Float, Int
 from torch import Tensor
 
-__all__ = ["causal_mask", "padding_mask", "combine_masks", "fill_masked", "masked_softmax"]
+__all__ = ["check_length", "causal_mask", "padding_mask", "combine_masks", "fill_masked", "masked_softmax"]
 
 
-def _check_length(name: str, value: object) -> int:
+def check_length(name: str, value: object) -> int:
+    """Return `value` if it is a positive int, else raise a ValueError naming `name`."""
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{name}: expected a positive int, got {value!r}")
     return value
@@ -36,8 +37,8 @@ def causal_mask(q_len: int, k_len: int | None = None, *, device: torch.device | 
     `q_len` positions of a sequence of `k_len` (a KV cache holds the earlier keys), so the
     last query sees every key.
     """
-    q_len = _check_length("q_len", q_len)
-    k_len = q_len if k_len is None else _check_length("k_len", k_len)
+    q_len = check_length("q_len", q_len)
+    k_len = q_len if k_len is None else check_length("k_len", k_len)
     if k_len < q_len:
         raise ValueError(
             f"k_len: expected k_len >= q_len={q_len} (queries are the last positions of the keys), got {k_len}"

@@ -63,9 +63,17 @@ def check_embed(Embed: type) -> None:
     _fill(W_E)
     tokens = _tokens()
     out = call(f"{name}.forward", embed, tokens)
+    expected = F.embedding(tokens, W_E.detach())
+    if isinstance(out, torch.Tensor) and out.shape == expected.shape:
+        expect(
+            not torch.allclose(out.detach(), expected * math.sqrt(CFG.d_model)),
+            name,
+            "the embeddings are scaled by sqrt(d_model).",
+            "that scale belongs to the original transformer (Vaswani et al.); GPT-2 uses W_E[tokens] as it is.",
+        )
     expect_close(
         out,
-        F.embedding(tokens, W_E.detach()),
+        expected,
         name,
         "row t of W_E is the embedding of token id t: index W_E with the tokens.",
     )
@@ -79,7 +87,7 @@ def check_pos_embed(PosEmbed: type) -> None:
     pos_embed = _build(name, PosEmbed, CFG)
     W_pos = _param(pos_embed, "W_pos", name, (CFG.n_ctx, CFG.d_model))
     _fill(W_pos)
-    tokens = _tokens(batch=3, pos=7)
+    tokens = _tokens(batch=3, pos=7) % CFG.n_ctx  # ids below n_ctx, so indexing W_pos by token id also runs
     out = call(f"{name}.forward", pos_embed, tokens)
     expected = W_pos.detach()[:7].expand(3, 7, CFG.d_model)
     if isinstance(out, torch.Tensor) and out.shape == expected.shape:
@@ -237,7 +245,15 @@ def check_generate(generate: Callable[..., torch.Tensor]) -> None:
     model = _reference_model(seed=3)
     prompt = _tokens(batch=2, pos=4, seed=4)
 
-    out = call(name, generate, model, prompt, 3, temperature=0)
+    try:
+        out = generate(model, prompt, 3, temperature=0)
+    except NotImplementedError:
+        out = call(name, generate, model, prompt, 3, temperature=0)  # reports the blank with its hint
+    except Exception as exc:
+        raise CheckFailure(
+            f"`{name}` raised {type(exc).__name__} with temperature=0: {exc}\nHint: temperature=0 means greedy "
+            "decoding: take the argmax of the logits instead of dividing by zero."
+        ) from exc
     expect(isinstance(out, torch.Tensor), name, f"expected a tensor, got {type(out).__name__}.")
     expect(
         tuple(out.shape) == (2, 7),
@@ -253,7 +269,13 @@ def check_generate(generate: Callable[..., torch.Tensor]) -> None:
         "use logits[:, -1, :] (the last position) and argmax when temperature == 0; don't divide by zero.",
     )
 
-    long = call(name, generate, model, prompt, CFG.n_ctx + 2, temperature=0)
+    try:
+        long = generate(model, prompt, CFG.n_ctx + 2, temperature=0)
+    except ValueError as exc:
+        raise CheckFailure(
+            f"`{name}` raised ValueError when the sequence grew past n_ctx={CFG.n_ctx}: {exc}\nHint: feed only the "
+            "last n_ctx tokens to the model: tokens[:, -model.cfg.n_ctx:]."
+        ) from exc
     expect(
         torch.equal(long, _greedy(model, prompt, CFG.n_ctx + 2)),
         name,

@@ -1,0 +1,114 @@
+"""Training-step time of the course's GPT-2 against Hugging Face's `GPT2LMHeadModel`.
+
+Both models get the same architecture, batch and optimizer (AdamW, fused on CUDA), and each
+step is forward + backward + optimizer step. The two are timed in alternating rounds in the
+same process, so machine load affects both alike; the report is the median step time.
+On a GPU the step also runs under bf16 autocast (optionally `--compile`), and the report adds
+tokens per second and the model FLOPs utilisation (MFU) against the device's peak.
+
+    python benchmarks/gpt2.py                    # CPU: nanoGPT's baby GPT (4 layers, 128 wide)
+    python benchmarks/gpt2.py --size small       # GPT-2 small (124M), block 1024 (for a GPU)
+    python benchmarks/gpt2.py --size small --compile --peak-tflops 989   # H100 SXM, dense bf16
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+from transformers import GPT2Config as HFGPT2Config
+from transformers import GPT2LMHeadModel
+
+from transformer_course.gpt2 import GPT2, lm_loss
+from transformer_course.runtime import get_device
+
+SIZES = {
+    "baby": dict(n_layer=4, n_head=4, n_embd=128, vocab_size=65, n_positions=64, batch=12),
+    "small": dict(n_layer=12, n_head=12, n_embd=768, vocab_size=50304, n_positions=1024, batch=16),
+}
+
+
+def flops_per_token(n_params: int, n_layer: int, n_ctx: int, d_model: int) -> float:
+    """Training FLOPs per token: 6 per parameter (forward + backward) plus attention's
+    12 * n_layer * n_ctx * d_model (the PaLM appendix estimate nanoGPT uses)."""
+    return 6 * n_params + 12 * n_layer * n_ctx * d_model
+
+
+def step_timer(model: torch.nn.Module, loss_of: Callable, tokens: torch.Tensor, amp: bool) -> Callable[[], float]:
+    device = tokens.device
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
+
+    def step() -> float:
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=amp):
+            loss = loss_of(model, tokens)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        return time.perf_counter() - start
+
+    return step
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--size", choices=sorted(SIZES), default="baby")
+    parser.add_argument("--steps", type=int, default=30, help="timed steps per model")
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--compile", action="store_true")
+    parser.add_argument("--peak-tflops", type=float, default=989.0, help="device peak (H100 SXM dense bf16: 989)")
+    args = parser.parse_args()
+
+    device = get_device()
+    size = SIZES[args.size]
+    amp = device.type == "cuda"
+    hf_config = HFGPT2Config(
+        n_layer=size["n_layer"], n_head=size["n_head"], n_embd=size["n_embd"], vocab_size=size["vocab_size"],
+        n_positions=size["n_positions"], resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+        bos_token_id=0, eos_token_id=0, tie_word_embeddings=False, attn_implementation="sdpa",
+    )
+    torch.manual_seed(0)
+    hf = GPT2LMHeadModel(hf_config).to(device).train()
+    ours = GPT2.from_huggingface(hf).use_fast_path().to(device).train()
+    if args.compile:
+        hf.compile()
+        ours.compile()
+    tokens = torch.randint(0, size["vocab_size"], (size["batch"], size["n_positions"]), device=device)
+
+    timers = {
+        "ours": step_timer(ours, lambda m, t: lm_loss(m(t)[:, :-1], t[:, 1:]), tokens, amp),
+        "huggingface": step_timer(hf, lambda m, t: m(t, labels=t).loss, tokens, amp),
+    }
+    for timer in timers.values():
+        for _ in range(args.warmup):
+            timer()
+    times: dict[str, list[float]] = {name: [] for name in timers}
+    for _ in range(args.steps):  # alternate, so load on a shared machine hits both alike
+        for name, timer in timers.items():
+            times[name].append(timer())
+
+    n_params = sum(p.numel() for p in ours.parameters())
+    per_token = flops_per_token(n_params, size["n_layer"], size["n_positions"], size["n_embd"])
+    n_tokens = tokens.numel()
+    report = {"device": str(device), "size": args.size, "params": n_params, "batch": list(tokens.shape),
+              "amp_bf16": amp, "compile": args.compile}
+    for name, values in times.items():
+        median = statistics.median(values)
+        entry = {"step_ms": round(1000 * median, 2), "tokens_per_s": round(n_tokens / median)}
+        if device.type == "cuda":
+            entry["mfu"] = round(per_token * n_tokens / median / (args.peak_tflops * 1e12), 4)
+        report[name] = entry
+    report["ratio_ours_over_hf"] = round(report["ours"]["step_ms"] / report["huggingface"]["step_ms"], 3)
+    print(json.dumps(report, indent=1))
+
+
+if __name__ == "__main__":
+    main()

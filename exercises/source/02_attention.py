@@ -1,0 +1,132 @@
+# %% [markdown]
+# # Chapter 2 workbook: attention
+#
+# You will build attention in three steps:
+#
+# 1. `attention_scores`: every query dotted with every key, scaled by $1/\sqrt{d_\text{head}}$.
+# 2. `scaled_dot_product_attention`: a softmax over the keys turns the scores into weights
+#    (the *pattern*); the output is the weighted average of the values.
+# 3. `MultiHeadAttention`: the initialisation and the forward pass of a TransformerLens-style
+#    attention layer with `n_heads` heads.
+#
+# Each check cell compares your code with the course's reference and PyTorch's
+# `torch.nn.functional.scaled_dot_product_attention`, and when they differ it tells you which
+# classic mistake your output matches. The chapter's book page explains the why.
+#
+# Shapes follow PyTorch: `(..., pos, d)`. Masks are boolean with **True = may attend**; the
+# masking helpers (`masked_softmax`, `fill_masked`) are chapter 3's subject and are given here.
+
+# %% tags=nbval-ignore-output
+import math
+
+import einops
+import torch
+import torch.nn.functional as F
+from jaxtyping import Bool, Float
+from torch import Tensor, nn
+from transformer_lens.hook_points import HookPoint
+from transformer_lens.HookedRootModule import HookedRootModule
+
+from transformer_course.attention import validate_qkv
+from transformer_course.checks.attention import (
+    check_attention_scores,
+    check_multi_head_attention,
+    check_scaled_dot_product_attention,
+)
+from transformer_course.masking import causal_mask, fill_masked, masked_softmax
+from transformer_course.runtime import describe, seed_everything
+
+seed_everything(0)
+print(describe())
+
+# %% [markdown]
+# ## Exercise 1: `attention_scores`
+#
+# $$\text{scores}_{ij} = \frac{q_i \cdot k_j}{\sqrt{d_\text{head}}}$$
+#
+# `q` is `(..., q_pos, d_head)` and `k` is `(..., k_pos, d_head)`; the result is
+# `(..., q_pos, k_pos)`, one row per query. Use `einops.einsum` with named axes, e.g.
+# `"... q_pos d_head, ... k_pos d_head -> ... q_pos k_pos"`.
+
+# %% [exercise] transformer_course.attention:attention_scores
+# hint: einops.einsum(q, k, "... q_pos d_head, ... k_pos d_head -> ... q_pos k_pos"), then divide by math.sqrt(d_head)
+
+# %% [check]
+check_attention_scores(attention_scores)
+
+# %% [markdown]
+# ## Exercise 2: `scaled_dot_product_attention`
+#
+# $$\text{Attention}(Q, K, V) = \text{softmax}\left(\frac{QK^\top}{\sqrt{d_\text{head}}}\right)V$$
+#
+# Start with `validate_qkv(q, k, v, mask)`, which raises a clear error for inputs of the wrong
+# shape. Then compute the scores with your `attention_scores`, turn them into a pattern with
+# `masked_softmax(scores, mask)` (a softmax over the **last** dim that ignores forbidden keys and
+# gives zeros, never NaN, for a query with no allowed key), and take the weighted sum of the
+# values. Return both the output and the pattern.
+
+# %% [exercise] transformer_course.attention:scaled_dot_product_attention
+# hint: validate_qkv(...); pattern = masked_softmax(attention_scores(q, k), mask); out = einsum of pattern and v over k_pos
+
+# %% [check]
+check_scaled_dot_product_attention(scaled_dot_product_attention)
+
+# %% [markdown]
+# Your function agrees with PyTorch's fused kernel, which never materialises the pattern:
+
+# %% [check]
+q, k, v = torch.randn(2, 4, 5, 8), torch.randn(2, 4, 7, 8), torch.randn(2, 4, 7, 3)
+mask = causal_mask(5, 7)
+out, pattern = scaled_dot_product_attention(q, k, v, mask)
+print("pattern shape:", tuple(pattern.shape), "| rows sum to one:", torch.allclose(pattern.sum(-1), torch.ones(2, 4, 5)))
+print("same as F.scaled_dot_product_attention:", torch.allclose(out, F.scaled_dot_product_attention(q, k, v, attn_mask=mask), atol=1e-6))
+
+# %% [markdown]
+# ## Exercise 3: `MultiHeadAttention`
+#
+# The parameters follow TransformerLens: `W_Q`, `W_K`, `W_V` are `(n_heads, d_model, d_head)`,
+# `W_O` is `(n_heads, d_head, d_model)`, the biases `b_Q`, `b_K`, `b_V` are `(n_heads, d_head)`
+# and `b_O` is `(d_model,)`.
+#
+# * `reset_parameters`: GPT-2's initialisation, weights from $\mathcal{N}(0, 0.02^2)$ and biases
+#   **zero**.
+# * `forward`: project `x` to queries and `context` (default `x`) to keys and values, one einsum
+#   each: `"batch pos d_model, head d_model d_head -> batch pos head d_head"`, plus the bias.
+#   Pass each through its hook point (`self.hook_q(q)`, ...). Move the head axis before the
+#   positions, `"batch pos head d_head -> batch head pos d_head"`, so the attention of
+#   exercise 2 runs on every head at once. Compute the scores, fill the forbidden ones
+#   (`fill_masked`) and pass them through `hook_attn_scores`; the pattern through `hook_pattern`;
+#   `z = pattern @ v` back in `(batch, q_pos, head, d_head)` through `hook_z`. Finally project
+#   every head back with `W_O` and sum over heads (one einsum), and add `b_O`. When
+#   `self.use_fast_path` is set, replace the scores-pattern-z steps with one call to
+#   `F.scaled_dot_product_attention(q, k, v, attn_mask=mask)`.
+#
+# The check compares every hook point with the reference, so when something is off it tells
+# you the first step that differs.
+
+# %% [exercise] transformer_course.attention:MultiHeadAttention blank=reset_parameters,forward
+# hint reset_parameters: nn.init.normal_(W, std=0.02) for the four weights; nn.init.zeros_ for the biases that exist
+# hint forward: project with einops.einsum(x, self.W_Q, "batch pos d_model, head d_model d_head -> batch pos head d_head") + self.b_Q, and so on
+
+# %% [check]
+check_multi_head_attention(MultiHeadAttention)
+
+# %% [markdown]
+# With a causal mask, `run_with_cache` shows each head's pattern: a lower triangle whose rows
+# sum to one.
+
+# %% [check]
+mha = MultiHeadAttention(d_model=32, n_heads=4)
+_, cache = mha.run_with_cache(torch.randn(1, 6, 32), mask=causal_mask(6))
+print({name: tuple(t.shape) for name, t in cache.items()})
+print(cache["hook_pattern"][0, 0].round(decimals=2))
+
+# %% [markdown]
+# ## Going further
+#
+# - Concatenating the heads and multiplying by one `(n_heads * d_head, d_model)` matrix gives
+#   the same result as the per-head einsum. Check it with
+#   `einops.rearrange(W_O, "head d_head d_model -> (head d_head) d_model")`; what goes wrong
+#   with `"(d_head head)"`?
+# - Time the two paths (`use_fast_path=False` and `True`) on a `(8, 256, 512)` input with
+#   `%timeit`. Where does the difference come from?

@@ -1,0 +1,106 @@
+# %% [markdown]
+# # Chapter 3 workbook: masking
+#
+# You will write the three pieces that decide which keys each query may look at:
+#
+# 1. `causal_mask`: no token sees the future, also when a KV cache makes keys outnumber queries.
+# 2. `padding_mask`: no query sees a padding key.
+# 3. `masked_softmax`: a softmax that ignores forbidden keys and never returns NaN, even for a
+#    query with no allowed key, in float32, float16 and bfloat16.
+#
+# Masks are boolean with **True = may attend** (PyTorch's `scaled_dot_product_attention`
+# convention) and broadcast against attention scores of shape `(batch, head, q_pos, k_pos)`.
+# Each check cell compares your function with the course's reference and, when they differ,
+# tells you which classic mistake your output matches.
+
+# %% tags=nbval-ignore-output
+import torch
+import torch.nn.functional as F
+from jaxtyping import Bool, Float, Int
+from torch import Tensor
+
+from transformer_course.attention import MultiHeadAttention
+from transformer_course.checks.masking import check_causal_mask, check_masked_softmax, check_padding_mask
+from transformer_course.masking import check_length, combine_masks, fill_masked
+from transformer_course.runtime import describe, seed_everything
+
+seed_everything(0)
+print(describe())
+
+# %% [markdown]
+# ## Exercise 1: `causal_mask`
+#
+# Query $i$ may attend to key $j$ exactly when $j \le i + (k_\text{len} - q_\text{len})$. With
+# `k_len == q_len` that is the lower triangle, diagonal included (a token sees itself). With
+# `k_len > q_len` the queries are the **last** `q_len` positions of the sequence: the keys of
+# the earlier positions come from a cache, and the last query sees every key.
+# `check_length` (given) rejects lengths that are not positive ints.
+
+# %% [exercise] transformer_course.masking:causal_mask
+# hint: torch.ones(q_len, k_len, dtype=torch.bool, device=device).tril(diagonal=k_len - q_len)
+
+# %% [check]
+check_causal_mask(causal_mask)
+
+# %% [markdown]
+# ## Exercise 2: `padding_mask`
+#
+# `tokens` is `(batch, k_pos)`; the mask is True at real tokens and False at `pad_id`, shaped
+# `(batch, 1, 1, k_pos)` so that it broadcasts over heads and over **queries**: padding is a
+# property of keys.
+
+# %% [exercise] transformer_course.masking:padding_mask
+# hint: (tokens != pad_id)[:, None, None, :] after checking that tokens is a 2-D integer tensor
+
+# %% [check]
+check_padding_mask(padding_mask)
+
+# %% [markdown]
+# Combined, the two masks give each sequence of a batch its own lower triangle without the
+# padding columns:
+
+# %% [check]
+tokens = torch.tensor([[5, 6, 7, 0, 0], [8, 9, 0, 0, 0]])
+print(combine_masks(causal_mask(5), padding_mask(tokens, pad_id=0)).int())
+
+# %% [markdown]
+# ## Exercise 3: `masked_softmax`
+#
+# Filling forbidden scores with $-\infty$ before the softmax works until a query has **no**
+# allowed key (a padding query under a causal-and-padding mask, for instance): then every entry
+# is $-\infty$ and the softmax computes $0/0$ = NaN, which spreads through the whole model in
+# one backward pass. Instead:
+#
+# 1. fill forbidden scores with `fill_masked(scores, mask)` (given): the most negative *finite*
+#    value of the dtype, `torch.finfo(scores.dtype).min`; a constant like `-1e9` overflows in
+#    float16;
+# 2. take the softmax over the last dim;
+# 3. set the weights of forbidden keys to exactly zero, so a query with no allowed key gets an
+#    all-zero row instead of a uniform one.
+#
+# With `mask=None` it is a plain softmax.
+
+# %% [exercise] transformer_course.masking:masked_softmax
+# hint: fill_masked(scores, mask).softmax(dim=-1), then .masked_fill(~mask, 0.0)
+
+# %% [check]
+check_masked_softmax(masked_softmax)
+
+# %% [markdown]
+# The naive version and yours on a row with no allowed key, in float16:
+
+# %% [check]
+scores = torch.randn(2, 4, dtype=torch.float16)
+mask = torch.tensor([[True, True, False, False], [False, False, False, False]])
+print("-inf fill:", scores.masked_fill(~mask, float("-inf")).softmax(-1).tolist())
+print("yours:    ", masked_softmax(scores, mask).tolist())
+
+# %% [markdown]
+# ## Going further
+#
+# - `MultiHeadAttention` (chapter 2) with `causal_mask(T)`: change the last token of a sequence
+#   and check that the outputs at every earlier position stay exactly the same.
+# - Append three padding tokens (with random embeddings) to a sequence and extend the padding
+#   mask: do the outputs at the real positions change?
+# - PyTorch's `F.scaled_dot_product_attention(..., is_causal=True)` aligns its triangle to the
+#   *top-left* corner when `q_len != k_len`. Compare it with your `causal_mask(2, 5)`.

@@ -1,0 +1,252 @@
+"""Checkers for chapter 5: positional encoding, the scaled embedding, a decoder block, label smoothing
+and greedy decoding.
+
+Each checker runs the learner's code next to the course's reference in float64. When the two
+differ, it compares the learner's output with the classic mistakes (sin and cos swapped, the
+missing sqrt(d_model) scale, an unmasked decoder, ...) and names the one that matches.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from transformer_course.checks import CheckFailure, call, expect, expect_close, passed
+from transformer_course.encoder_decoder import (
+    DecoderBlock,
+    EncoderDecoderTransformer,
+    Seq2SeqConfig,
+    TokenEmbedding,
+    greedy_decode,
+    sinusoidal_positional_encoding,
+)
+from transformer_course.masking import causal_mask, padding_mask
+
+__all__ = [
+    "check_decoder_block",
+    "check_greedy_decode",
+    "check_label_smoothing",
+    "check_positional_encoding",
+    "check_token_embedding",
+]
+
+
+def _diagnose(actual: Tensor, mistakes: dict[str, Tensor], name: str, generic: str, atol: float = 1e-6) -> None:
+    """Raise a `CheckFailure` naming the first classic mistake `actual` matches, else a generic hint."""
+    for hint, wrong in mistakes.items():
+        if wrong.shape == actual.shape and torch.allclose(actual.detach().double(), wrong.double(), atol=atol):
+            raise CheckFailure(f"`{name}`: values differ from the reference.\nHint: {hint}")
+
+
+def _pe_mistakes(max_len: int, d_model: int) -> dict[str, Tensor]:
+    position = torch.arange(max_len, dtype=torch.float64)[:, None]
+    two_i = torch.arange(0, d_model, 2, dtype=torch.float64)
+    angles = position / 10000 ** (two_i / d_model)
+
+    def interleave(even: Tensor, odd: Tensor) -> Tensor:
+        return torch.stack([even, odd], dim=-1).flatten(-2)
+
+    per_dim = position / 10000 ** (torch.arange(d_model, dtype=torch.float64) / d_model)
+    return {
+        "sin and cos are swapped: even dimensions 2i get sin, odd dimensions 2i+1 get cos.":
+            interleave(torch.cos(angles), torch.sin(angles)),
+        "sin and cos should be interleaved (sin in dims 0, 2, 4, ...; cos in dims 1, 3, 5, ...), "
+        "not the sines in the first half and the cosines in the second.":
+            torch.cat([torch.sin(angles), torch.cos(angles)], dim=-1),
+        "the exponent is 2i/d_model, where 2i is the even dimension of the pair: dims 2i and 2i+1 "
+        "share one frequency.":
+            interleave(torch.sin(per_dim[:, 0::2]), torch.cos(per_dim[:, 1::2])),
+        "positions start at 0: the first row is sin(0) = 0 and cos(0) = 1.":
+            interleave(torch.sin(angles + 1 / 10000 ** (two_i / d_model)), torch.cos(angles + 1 / 10000 ** (two_i / d_model))),
+        "divide the position by 10000^(2i/d_model); multiplying by it gives huge angles.":
+            interleave(torch.sin(position * 10000 ** (two_i / d_model)), torch.cos(position * 10000 ** (two_i / d_model))),
+    }
+
+
+def check_positional_encoding(fn: Callable[[int, int], Tensor]) -> None:
+    """`fn(max_len, d_model)` must return the sinusoidal table of Vaswani et al., shape (max_len, d_model)."""
+    name = "sinusoidal_positional_encoding"
+    for max_len, d_model in ((7, 4), (50, 16)):
+        actual = call(name, fn, max_len, d_model)
+        expected = sinusoidal_positional_encoding(max_len, d_model, dtype=torch.float64)
+        if isinstance(actual, Tensor) and actual.shape == expected.shape and not torch.allclose(
+            actual.double(), expected, atol=1e-5
+        ):
+            _diagnose(actual, _pe_mistakes(max_len, d_model), name, "", atol=1e-5)
+        expect_close(
+            actual.double() if isinstance(actual, Tensor) else actual, expected, name,
+            "PE[pos, 2i] = sin(pos / 10000^(2i/d_model)) and PE[pos, 2i+1] = cos(pos / 10000^(2i/d_model)).",
+            atol=1e-5,
+        )
+    passed(name)
+
+
+def check_token_embedding(cls: type) -> None:
+    """`cls(vocab, d_model, max_len, dropout)` must return W_E[tokens] * sqrt(d_model) + PE."""
+    name = "TokenEmbedding"
+    vocab, d_model, max_len = 11, 16, 20
+    torch.manual_seed(0)
+    theirs = call(name, cls, vocab, d_model, max_len, 0.0)
+    expect(hasattr(theirs, "W_E"), name, "expected a parameter `W_E` of shape (vocab, d_model).")
+    ours = TokenEmbedding(vocab, d_model, max_len, 0.0).double()
+    with torch.no_grad():
+        theirs.W_E.data = ours.W_E.detach().clone()
+    tokens = torch.tensor([[1, 2, 3, 4, 5], [6, 7, 8, 0, 0]])
+    actual = call(f"{name}.forward", theirs, tokens)
+    expected = ours(tokens)
+    looked_up = ours.W_E[tokens]
+    pe = sinusoidal_positional_encoding(5, d_model, dtype=torch.float64)
+    mistakes = {
+        "did you forget the sqrt(d_model) embedding scale? Multiply W_E[tokens] by sqrt(d_model) "
+        "before adding the positional encoding.": looked_up + pe,
+        "the embedding is divided by sqrt(d_model); multiply by it instead.": looked_up / math.sqrt(d_model) + pe,
+        "scale only the token embedding by sqrt(d_model), not the sum with the positional encoding.":
+            (looked_up + pe) * math.sqrt(d_model),
+        "the positional encoding is missing: add PE[:pos] to the scaled embedding.": looked_up * math.sqrt(d_model),
+        "scale by sqrt(d_model), not by d_model.": looked_up * d_model + pe,
+    }
+    if isinstance(actual, Tensor) and actual.shape == expected.shape and not torch.allclose(actual.double(), expected, atol=1e-6):
+        _diagnose(actual, mistakes, name, "")
+    expect_close(actual, expected.detach(), name, "return W_E[tokens] * sqrt(d_model) + PE[:pos], then dropout.", atol=1e-6)
+    passed(name)
+
+
+def _block_config(norm: str) -> Seq2SeqConfig:
+    return Seq2SeqConfig(src_vocab=10, tgt_vocab=10, d_model=16, n_heads=4, n_layers=1, d_ff=32, dropout=0.0, norm=norm)
+
+
+def check_decoder_block(cls: type) -> None:
+    """`cls(cfg)` with the reference's submodules (`self_attn cross_attn mlp ln1 ln2 ln3`) must match it."""
+    name = "DecoderBlock"
+    for norm in ("post", "pre"):
+        cfg = _block_config(norm)
+        torch.manual_seed(1)
+        ours = DecoderBlock(cfg).double()
+        with torch.no_grad():  # random layer-norm gains and biases, so a misplaced norm shows
+            for ln in (ours.ln1, ours.ln2, ours.ln3):
+                ln.w.normal_(1.0, 0.3)
+                ln.b.normal_(0.0, 0.3)
+        theirs = call(name, cls, cfg)
+        try:
+            theirs.load_state_dict(ours.state_dict())
+        except RuntimeError as exc:
+            raise CheckFailure(
+                f"`{name}`: its parameters do not match the reference's (self_attn, cross_attn, mlp, ln1, ln2, ln3): {exc}"
+            ) from None
+        theirs.double().eval()
+        x = torch.randn(2, 5, cfg.d_model, dtype=torch.float64)
+        memory = torch.randn(2, 4, cfg.d_model, dtype=torch.float64)
+        src = torch.tensor([[3, 4, 5, 6], [3, 4, 0, 0]])
+        tgt_mask, src_mask = causal_mask(5), padding_mask(src, 0)
+        actual = call(f"{name}.forward", theirs, x, memory, tgt_mask, src_mask)
+        expected = ours(x, memory, tgt_mask, src_mask)
+        everything = torch.ones(5, 5, dtype=torch.bool)
+        mistakes = {
+            "is the self-attention masked? Pass tgt_mask to self_attn so a position cannot see later ones.":
+                ours(x, memory, everything, src_mask),
+            "the cross-attention ignores the source padding: pass src_mask to cross_attn.":
+                ours(x, memory, tgt_mask, None),
+        }
+        if norm == "post":
+            mistakes["this is pre-LN; with norm='post' normalise after each residual sum: x = ln(x + sublayer(x))."] = (
+                DecoderBlock.forward(_as_pre(ours), x, memory, tgt_mask, src_mask)
+            )
+        if isinstance(actual, Tensor) and actual.shape == expected.shape and not torch.allclose(actual.double(), expected, atol=1e-6):
+            _diagnose(actual, mistakes, name, "")
+        expect_close(
+            actual, expected.detach(), f"{name} (norm={norm!r})",
+            "three sublayers in order: masked self-attention, cross-attention to memory (keys and values "
+            "from memory, queries from x), MLP; each with dropout, a residual connection and its layer norm.",
+            atol=1e-6,
+        )
+    passed(name)
+
+
+def _as_pre(block: DecoderBlock) -> DecoderBlock:
+    twin = DecoderBlock(_block_config("pre")).double()
+    twin.load_state_dict(block.state_dict())
+    return twin
+
+
+def check_label_smoothing(fn: Callable[..., Tensor]) -> None:
+    """`fn(logits, targets, smoothing=, ignore_index=)` must equal `F.cross_entropy(..., label_smoothing=)`."""
+    name = "label_smoothed_cross_entropy"
+    torch.manual_seed(2)
+    logits = torch.randn(3, 6, 9, dtype=torch.float64)
+    targets = torch.randint(1, 9, (3, 6))
+    targets[0, 3:] = 0
+    actual = call(name, fn, logits, targets, smoothing=0.2, ignore_index=0)
+    expected = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), label_smoothing=0.2, ignore_index=0)
+    log_probs = logits.log_softmax(-1)
+    nll = -log_probs.gather(-1, targets[..., None]).squeeze(-1)
+    keep = targets != 0
+    others = (-log_probs.sum(-1) - nll) / 8
+    mistakes = {
+        "the smoothing mass is spread over all vocab tokens, the right one included: the target is "
+        "(1 - smoothing) * one_hot + smoothing / vocab (so the loss is (1 - s) * nll + s * mean(-log p)).":
+            (((1 - 0.2) * nll + 0.2 * others) * keep).sum() / keep.sum(),
+        "padding positions count: ignore positions whose target is ignore_index, and average over the others only.":
+            ((0.8 * nll + 0.2 * -log_probs.mean(-1))).mean(),
+        "the padding positions are zeroed but still counted in the average: divide by the number of real tokens.":
+            ((0.8 * nll + 0.2 * -log_probs.mean(-1)) * keep).sum() / keep.numel(),
+        "there is no smoothing: mix (1 - smoothing) * nll with smoothing * mean(-log p) over the vocabulary.":
+            (nll * keep).sum() / keep.sum(),
+    }
+    if isinstance(actual, Tensor) and actual.shape == expected.shape and not torch.allclose(actual.double(), expected, atol=1e-6):
+        _diagnose(actual, mistakes, name, "")
+    expect_close(actual, expected, name, "(1 - s) * nll + s * mean over the vocab of -log p, averaged over non-padding targets.", atol=1e-6)
+    passed(name)
+
+
+class _Scripted(EncoderDecoderTransformer):
+    """Emits 5, 6, 7, ... and then the end token at position `eos_at`, whatever the input."""
+
+    def __init__(self, eos_at: int):
+        super().__init__(Seq2SeqConfig(src_vocab=20, tgt_vocab=20, d_model=8, n_heads=2, n_layers=1, d_ff=8, dropout=0.0, max_len=16))
+        self.eos_at = eos_at
+
+    def decode(self, tgt, memory, src_mask):
+        logits = torch.full((*tgt.shape, self.cfg.tgt_vocab), -10.0)
+        for pos in range(tgt.shape[1]):
+            logits[:, pos, 2 if pos + 1 == self.eos_at else 5 + pos % 10] = 10.0
+        return logits
+
+
+def check_greedy_decode(fn: Callable[..., list[list[int]]]) -> None:
+    """`fn(model, src, bos_id=, eos_id=, max_len=)` must return the greedy tokens, without bos and eos."""
+    name = "greedy_decode"
+    src = torch.tensor([[3, 4], [5, 0]])
+    stops = call(name, fn, _Scripted(eos_at=4), src, bos_id=1, eos_id=2, max_len=10)
+    expect(isinstance(stops, list) and len(stops) == 2, name, f"expected one list of ids per source row (2), got {stops!r}.")
+    expect(
+        stops != [[1, 5, 6, 7]] * 2 and stops != [[1, 5, 6, 7, 2]] * 2, name,
+        "the start token is in the output.", "return only the generated tokens: drop the <s> you started with."
+    )
+    expect(stops != [[5, 6, 7, 2]] * 2, name, "the end token is in the output.", "cut each row before its </s>.")
+    expect(
+        stops == [[5, 6, 7]] * 2, name, f"a model that says 5, 6, 7, </s> should give [5, 6, 7], got {stops[0]!r}.",
+        "append the argmax of the last position's logits each step; a row is done at </s>.",
+    )
+    capped = call(name, fn, _Scripted(eos_at=99), src, bos_id=1, eos_id=2, max_len=5)
+    expect(
+        capped == [[5, 6, 7, 8, 9]] * 2, name,
+        f"with max_len=5 and no </s>, expected 5 generated tokens per row, got {capped[0]!r}.",
+        "generate at most max_len tokens, counting the </s>.",
+    )
+    torch.manual_seed(3)
+    model = EncoderDecoderTransformer(
+        Seq2SeqConfig(src_vocab=20, tgt_vocab=20, d_model=16, n_heads=2, n_layers=1, d_ff=16, dropout=0.0, max_len=16)
+    )
+    real_src = torch.randint(3, 20, (4, 6))
+    real_src[1, 3:] = 0
+    expected = greedy_decode(model, real_src, bos_id=1, eos_id=2, max_len=8)
+    actual = call(name, fn, model, real_src, bos_id=1, eos_id=2, max_len=8)
+    expect(
+        actual == expected, name, f"on a random model expected {expected}, got {actual}.",
+        "encode once, then repeatedly decode the tokens so far and append the argmax of the last position.",
+    )
+    passed(name)

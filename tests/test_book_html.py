@@ -1,0 +1,305 @@
+"""The built book, read the way a learner reads it: every page opened in headless Chromium.
+
+Build the book first (`jupyter-book build . -W -n --keep-going`), then run `pytest
+tests/test_book_html.py`. The HTML is served from `_build/html` on 127.0.0.1; every request to
+any other host is blocked and reported, so a page that only works online fails here.
+
+For every page:
+  * it has a title and exactly one non-empty H1, and heading levels never skip;
+  * MathJax (the book's own copy) has typeset every formula: no TeX error, no raw `\\(`, `\\[`
+    or `$$` left in the visible text;
+  * every image has loaded (naturalWidth > 0);
+  * no console error, no uncaught exception, no failed or 4xx/5xx request;
+  * no request to a host other than 127.0.0.1;
+  * every internal link points to a file that exists, and its #anchor to an id on that page.
+Without a browser, the HTML is still checked for notebook outputs a reader should never see
+(warnings, stderr, tracebacks, object reprs) and for scripts or styles from other hosts.
+
+A full-page screenshot of every page is saved under `_build/screenshots/`.
+"""
+
+from __future__ import annotations
+
+import functools
+import http.server
+import os
+import re
+import shutil
+import threading
+from html.parser import HTMLParser
+from pathlib import Path
+from urllib.parse import unquote, urlsplit
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SITE = ROOT / "_build" / "html"
+SCREENSHOTS = ROOT / "_build" / "screenshots"
+CHROMIUM = Path(os.environ.get("CHROMIUM", "/usr/bin/chromium"))
+CHROMIUM_ARGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
+# Folders of the built site that hold assets, not pages.
+ASSET_DIRS = {"_static", "_sources", "_downloads", "_images"}
+BUILD_FIRST = f"no built book in {SITE}: build it first with `jupyter-book build . -W -n --keep-going`"
+
+# What must never appear in a notebook output shown in the book.
+BAD_OUTPUT = {
+    "a Python warning": re.compile(r"\w*Warning:"),
+    "a traceback": re.compile(r"Traceback \(most recent call last\)"),
+    "an object repr": re.compile(r"<torch\._C\.Generator|<matplotlib\.| object at 0x[0-9a-fA-F]+"),
+}
+BAD_OUTPUT_CLASSES = {"stderr", "traceback", "error"}
+
+
+def pages() -> list[str]:
+    """Every HTML page of the built book, relative to the site root; the root redirect aside."""
+    if not SITE.is_dir():
+        return []
+    found = []
+    for path in sorted(SITE.rglob("*.html")):
+        relative = path.relative_to(SITE)
+        if relative.parts[0] in ASSET_DIRS or relative.parts[0].startswith(".") or relative == Path("index.html"):
+            continue
+        found.append(relative.as_posix())
+    return found
+
+
+PAGES = pages() or [None]
+
+
+def require_page(page: str | None) -> str:
+    if page is None:
+        pytest.fail(BUILD_FIRST)
+    return page
+
+
+class _Scan(HTMLParser):
+    """Collects ids, resource URLs and the text of notebook outputs of one HTML file."""
+
+    VOID = {"area", "base", "br", "col", "embed", "hr", "img", "input", "link", "meta", "source", "track", "wbr"}
+
+    def __init__(self) -> None:
+        super().__init__(convert_charrefs=True)
+        self.ids: set[str] = set()
+        self.resources: list[str] = []
+        self.outputs: list[str] = []
+        self.bad_blocks: list[str] = []
+        self._stack: list[tuple[str, bool]] = []  # open elements: (tag, inside a cell output?)
+
+    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        attributes = dict(attrs)
+        for key in ("id", "name") if tag == "a" else ("id",):
+            if attributes.get(key):
+                self.ids.add(attributes[key])
+        if tag in ("script", "img", "iframe", "source", "audio", "video") and attributes.get("src"):
+            self.resources.append(attributes["src"])
+        if tag == "link" and attributes.get("href") and attributes.get("rel") not in ("canonical", "alternate"):
+            self.resources.append(attributes["href"])
+        classes = set((attributes.get("class") or "").split())
+        inside = bool(self._stack and self._stack[-1][1]) or "cell_output" in classes
+        if inside and classes & BAD_OUTPUT_CLASSES:
+            self.bad_blocks.append(f"<{tag} class={attributes.get('class')!r}>")
+        if tag not in self.VOID:
+            self._stack.append((tag, inside))
+
+    def handle_endtag(self, tag: str) -> None:
+        # Close the innermost open element of this name, and any left unclosed inside it.
+        for index in range(len(self._stack) - 1, -1, -1):
+            if self._stack[index][0] == tag:
+                del self._stack[index:]
+                return
+
+    def handle_data(self, data: str) -> None:
+        if self._stack and self._stack[-1][1]:
+            self.outputs.append(data)
+
+
+@functools.lru_cache(maxsize=None)
+def scan(path: Path) -> _Scan:
+    parser = _Scan()
+    parser.feed(path.read_text(encoding="utf-8"))
+    return parser
+
+
+# ---------------------------------------------------------------- checks without a browser
+
+
+@pytest.mark.parametrize("page", PAGES)
+def test_outputs_are_clean(page):
+    """No warning, stderr block, traceback or object repr in any notebook output."""
+    parsed = scan(SITE / require_page(page))
+    problems = [f"a {block} block" for block in parsed.bad_blocks]
+    text = "".join(parsed.outputs)
+    for what, pattern in BAD_OUTPUT.items():
+        problems += [f"{what}: {match[0]!r}" for match in pattern.finditer(text)]
+    assert not problems, f"{page}: outputs a reader should not see: {problems}"
+
+
+@pytest.mark.parametrize("page", PAGES)
+def test_no_resource_from_another_host(page):
+    """Scripts, styles, images and fonts all come from the book itself."""
+    external = [url for url in scan(SITE / require_page(page)).resources if urlsplit(url).netloc or url.startswith("//")]
+    assert not external, f"{page} loads from other hosts: {external}"
+
+
+def test_mathjax_is_served_by_the_book():
+    if not SITE.is_dir():
+        pytest.fail(BUILD_FIRST)
+    mathjax = SITE / "_static" / "mathjax"
+    assert (mathjax / "tex-chtml-full.js").is_file(), "MathJax is missing from _static/mathjax"
+    assert sorted((mathjax / "output" / "chtml" / "fonts" / "woff-v2").glob("*.woff")), "MathJax fonts are missing"
+
+
+# ---------------------------------------------------------------- checks in a browser
+
+
+class _QuietHandler(http.server.SimpleHTTPRequestHandler):
+    def log_message(self, format, *args):  # noqa: A002 - the signature of the base class
+        pass
+
+
+@pytest.fixture(scope="module")
+def server():
+    if not SITE.is_dir():
+        pytest.fail(BUILD_FIRST)
+    handler = functools.partial(_QuietHandler, directory=str(SITE))
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{httpd.server_address[1]}"
+    httpd.shutdown()
+    httpd.server_close()
+
+
+def _unavailable(reason: str):
+    if os.environ.get("CI"):
+        pytest.fail(f"{reason} (CI is set, so the browser test may not be skipped)")
+    pytest.skip(reason)
+
+
+@pytest.fixture(scope="module")
+def browser(tmp_path_factory):
+    """A persistent Chromium context with a fresh profile directory."""
+    if not CHROMIUM.exists() or shutil.which(str(CHROMIUM)) is None:
+        _unavailable(f"no Chromium at {CHROMIUM}: install it (`apt-get install chromium`) or set $CHROMIUM")
+    try:
+        from playwright.sync_api import sync_playwright
+    except ImportError:
+        _unavailable("playwright is not installed: `pip install -r requirements.txt`")
+    profile = tmp_path_factory.mktemp("chromium-profile")
+    with sync_playwright() as playwright:
+        context = playwright.chromium.launch_persistent_context(
+            str(profile),
+            executable_path=str(CHROMIUM),
+            args=CHROMIUM_ARGS,
+            headless=True,
+            viewport={"width": 1280, "height": 900},
+            service_workers="block",
+        )
+        yield context
+        context.close()
+
+
+# Runs in the page: wait for MathJax, then report what the checks need.
+INSPECT_PAGE = """
+async () => {
+  const mathjax = Boolean(window.MathJax && MathJax.startup && MathJax.startup.promise);
+  if (mathjax) { await MathJax.startup.promise; }
+  const images = Array.from(document.images);
+  for (const img of images) { img.loading = "eager"; }
+  await Promise.all(images.map(img => img.decode().catch(() => null)));
+  const article = document.querySelector("article.bd-article") || document.body;
+  const visible = article.cloneNode(true);
+  visible.querySelectorAll("pre, code, script, style, textarea, mjx-assistive-mml").forEach(e => e.remove());
+  return {
+    title: document.title,
+    headings: Array.from(article.querySelectorAll("h1, h2, h3, h4, h5, h6"))
+      .map(h => [Number(h.tagName[1]), h.textContent.replace(/[#¶]/g, "").trim()]),
+    mathjax: mathjax,
+    mathSource: article.querySelectorAll(".math").length,
+    mathTypeset: article.querySelectorAll("mjx-container").length,
+    mathErrors: Array.from(article.querySelectorAll("mjx-merror")).map(e => e.textContent),
+    text: visible.innerText,
+    images: images.map(img => ({src: img.currentSrc || img.src, ok: img.complete && img.naturalWidth > 0})),
+    links: Array.from(document.querySelectorAll("a[href]")).map(a => a.href),
+  };
+}
+"""
+RAW_MATH = re.compile(r"\\\(|\\\)|\\\[|\\\]|\$\$")
+
+
+def _check_link(url: str) -> str | None:
+    """Why an internal link is broken, or None if it resolves."""
+    parts = urlsplit(url)
+    path = SITE / unquote(parts.path).lstrip("/")
+    if path.is_dir():
+        path = path / "index.html"
+    if not path.is_file():
+        return f"{url}: no such file"
+    fragment = unquote(parts.fragment)
+    if fragment and path.suffix == ".html" and fragment not in scan(path).ids:
+        return f"{url}: no id {fragment!r} on that page"
+    return None
+
+
+@pytest.mark.parametrize("page", PAGES)
+def test_page_in_browser(page, server, browser):
+    page = require_page(page)
+    problems: list[str] = []
+    external: list[str] = []
+    tab = browser.new_page()
+
+    def route(route):
+        if urlsplit(route.request.url).hostname == "127.0.0.1":
+            route.continue_()
+        else:
+            external.append(route.request.url)
+            route.abort()
+
+    tab.route("**/*", route)
+    tab.on("console", lambda m: problems.append(f"console {m.type}: {m.text}") if m.type == "error" else None)
+    tab.on("pageerror", lambda e: problems.append(f"uncaught exception: {e}"))
+    tab.on("requestfailed", lambda r: problems.append(f"request failed: {r.url} ({r.failure})")
+           if urlsplit(r.url).hostname == "127.0.0.1" else None)
+    tab.on("response", lambda r: problems.append(f"HTTP {r.status}: {r.url}") if r.status >= 400 else None)
+    try:
+        tab.goto(f"{server}/{page}", wait_until="load")
+        info = tab.evaluate(INSPECT_PAGE)
+        tab.wait_for_load_state("networkidle")
+        SCREENSHOTS.mkdir(parents=True, exist_ok=True)
+        tab.screenshot(path=str(SCREENSHOTS / (page.replace("/", "__").removesuffix(".html") + ".png")), full_page=True)
+    finally:
+        tab.close()
+
+    title = info["title"].strip()
+    if not title or "<no title>" in title:
+        problems.append(f"no page title ({info['title']!r})")
+    h1 = [text for level, text in info["headings"] if level == 1]
+    if len(h1) != 1 or not h1[0]:
+        problems.append(f"expected exactly one non-empty H1, found {h1}")
+    levels = [level for level, _ in info["headings"]]
+    for (before, after), (_, text) in zip(zip(levels, levels[1:]), info["headings"][1:]):
+        if after > before + 1:
+            problems.append(f"heading level skips from H{before} to H{after} at {text!r}")
+    if info["mathSource"] and not info["mathjax"]:
+        problems.append("the page has math but MathJax did not load")
+    if info["mathTypeset"] < info["mathSource"]:
+        problems.append(f"MathJax typeset {info['mathTypeset']} of {info['mathSource']} formulas")
+    if info["mathErrors"]:
+        problems.append(f"TeX errors: {info['mathErrors']}")
+    raw = sorted({match[0] for match in RAW_MATH.finditer(info["text"])})
+    if raw:
+        problems.append(f"untypeset TeX delimiters in the visible text: {raw}")
+    problems += [f"image did not load: {img['src']}" for img in info["images"] if not img["ok"]]
+    problems += [f"request to another host: {url}" for url in external]
+    internal = {url for url in info["links"] if url.startswith(server + "/")}
+    problems += [why for url in sorted(internal) if (why := _check_link(url[len(server):]))]
+    assert not problems, f"{page}:\n  " + "\n  ".join(problems)

@@ -1,0 +1,150 @@
+"""The chapter 5 checkers accept the reference and reject each classic bug with a targeted hint."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from transformer_course.checks import CheckFailure
+from transformer_course.checks.encoder_decoder import (
+    check_decoder_block,
+    check_greedy_decode,
+    check_label_smoothing,
+    check_positional_encoding,
+    check_token_embedding,
+)
+from transformer_course.encoder_decoder import (
+    DecoderBlock,
+    TokenEmbedding,
+    greedy_decode,
+    label_smoothed_cross_entropy,
+    sinusoidal_positional_encoding,
+)
+
+
+def blank(*args, **kwargs):
+    raise NotImplementedError("the hint from the workbook")
+
+
+@pytest.mark.parametrize(
+    ("checker", "reference"),
+    [
+        (check_positional_encoding, sinusoidal_positional_encoding),
+        (check_token_embedding, TokenEmbedding),
+        (check_decoder_block, DecoderBlock),
+        (check_label_smoothing, label_smoothed_cross_entropy),
+        (check_greedy_decode, greedy_decode),
+    ],
+)
+def test_reference_passes(checker, reference, capsys):
+    checker(reference)
+    assert "passes every check" in capsys.readouterr().out
+
+
+def test_blanks_fail_with_the_hint():
+    for checker in (check_positional_encoding, check_label_smoothing, check_greedy_decode):
+        with pytest.raises(CheckFailure, match="not implemented yet.*the hint from the workbook"):
+            checker(blank)
+    for checker, cls in ((check_token_embedding, TokenEmbedding), (check_decoder_block, DecoderBlock)):
+        with pytest.raises(CheckFailure, match="not implemented yet"):
+            checker(type("Learner", (cls,), {"forward": blank}))
+
+
+def test_independent_positional_encoding_passes():
+    def loops(max_len, d_model):
+        return torch.tensor(
+            [[math.sin(p / 10000 ** (i / d_model)) if i % 2 == 0 else math.cos(p / 10000 ** ((i - 1) / d_model))
+              for i in range(d_model)] for p in range(max_len)]
+        )
+
+    check_positional_encoding(loops)
+
+
+def test_sin_cos_swapped_is_caught():
+    def swapped(max_len, d_model):
+        pe = sinusoidal_positional_encoding(max_len, d_model)
+        return torch.stack([pe[:, 1::2], pe[:, 0::2]], dim=-1).flatten(-2)  # cos on even dims, sin on odd
+
+    with pytest.raises(CheckFailure, match="sin and cos are swapped"):
+        check_positional_encoding(swapped)
+
+
+def test_concatenated_halves_are_caught():
+    def halves(max_len, d_model):
+        pe = sinusoidal_positional_encoding(max_len, d_model)
+        return torch.cat([pe[:, 0::2], pe[:, 1::2]], dim=-1)
+
+    with pytest.raises(CheckFailure, match="interleaved"):
+        check_positional_encoding(halves)
+
+
+def test_missing_embedding_scale_is_caught():
+    def forward(self, tokens):
+        return self.W_E[tokens] + sinusoidal_positional_encoding(tokens.shape[-1], self.d_model, dtype=self.W_E.dtype)
+
+    with pytest.raises(CheckFailure, match=r"forget the sqrt\(d_model\) embedding scale"):
+        check_token_embedding(type("NoScale", (TokenEmbedding,), {"forward": forward}))
+
+
+def test_scaling_the_positional_encoding_too_is_caught():
+    def forward(self, tokens):
+        pe = sinusoidal_positional_encoding(tokens.shape[-1], self.d_model, dtype=self.W_E.dtype)
+        return (self.W_E[tokens] + pe) * math.sqrt(self.d_model)
+
+    with pytest.raises(CheckFailure, match="scale only the token embedding"):
+        check_token_embedding(type("ScalesAll", (TokenEmbedding,), {"forward": forward}))
+
+
+def test_unmasked_decoder_self_attention_is_caught():
+    def forward(self, x, memory, tgt_mask, src_mask):
+        return DecoderBlock.forward(self, x, memory, None, src_mask)
+
+    with pytest.raises(CheckFailure, match="is the self-attention masked"):
+        check_decoder_block(type("Unmasked", (DecoderBlock,), {"forward": forward}))
+
+
+def test_pre_ln_instead_of_post_ln_is_caught():
+    def forward(self, x, memory, tgt_mask, src_mask):
+        x = x + self.self_attn(self.ln1(x), mask=tgt_mask)
+        x = x + self.cross_attn(self.ln2(x), context=memory, mask=src_mask)
+        return x + self.mlp(self.ln3(x))
+
+    with pytest.raises(CheckFailure, match="this is pre-LN"):
+        check_decoder_block(type("AlwaysPre", (DecoderBlock,), {"forward": forward}))
+
+
+def test_smoothing_over_the_other_tokens_only_is_caught():
+    def other_tokens(logits, targets, *, smoothing, ignore_index):
+        log_probs = logits.log_softmax(-1)
+        target = torch.full_like(log_probs, smoothing / (logits.shape[-1] - 1))
+        target.scatter_(-1, targets[..., None], 1 - smoothing)
+        loss = -(target * log_probs).sum(-1)
+        keep = targets != ignore_index
+        return (loss * keep).sum() / keep.sum()
+
+    with pytest.raises(CheckFailure, match="spread over all vocab tokens"):
+        check_label_smoothing(other_tokens)
+
+
+def test_padding_counted_in_the_loss_is_caught():
+    def counts_padding(logits, targets, *, smoothing, ignore_index):
+        return torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten(), label_smoothing=smoothing)
+
+    with pytest.raises(CheckFailure, match="padding positions count"):
+        check_label_smoothing(counts_padding)
+
+
+def test_greedy_decode_bugs_are_caught():
+    def keeps_bos(model, src, *, bos_id, eos_id, max_len):
+        return [[bos_id] + row for row in greedy_decode(model, src, bos_id=bos_id, eos_id=eos_id, max_len=max_len)]
+
+    with pytest.raises(CheckFailure, match="start token"):
+        check_greedy_decode(keeps_bos)
+
+    def ignores_max_len(model, src, *, bos_id, eos_id, max_len):
+        return greedy_decode(model, src, bos_id=bos_id, eos_id=eos_id, max_len=min(max_len + 2, model.cfg.max_len))
+
+    with pytest.raises(CheckFailure, match="max_len=5"):
+        check_greedy_decode(ignores_max_len)

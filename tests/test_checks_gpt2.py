@@ -1,0 +1,226 @@
+"""The chapter-6 checkers: the reference passes, a blank fails with its hint, classic bugs get
+targeted hints (each bug is written out here as a small variant of the reference)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from transformer_course.blocks import MLP
+from transformer_course.checks import CheckFailure
+from transformer_course.checks.gpt2 import (
+    check_embed,
+    check_generate,
+    check_gpt2_forward,
+    check_mlp,
+    check_pos_embed,
+    check_unembed,
+)
+from transformer_course.gpt2 import GPT2, Embed, PosEmbed, Unembed, generate
+
+
+def fails(check, candidate, *words: str) -> None:
+    with pytest.raises(CheckFailure) as info:
+        check(candidate)
+    message = str(info.value)
+    for word in words:
+        assert word.lower() in message.lower(), f"{word!r} not in: {message}"
+
+
+@pytest.mark.parametrize(
+    "check, reference",
+    [
+        (check_embed, Embed),
+        (check_pos_embed, PosEmbed),
+        (check_unembed, Unembed),
+        (check_mlp, MLP),
+        (check_gpt2_forward, GPT2),
+        (check_generate, generate),
+    ],
+)
+def test_reference_passes(check, reference, capsys):
+    check(reference)
+    assert "passes every check" in capsys.readouterr().out
+
+
+# Blanks: what the exercise workbook hands out.
+
+
+class BlankEmbed(Embed):
+    def forward(self, tokens):
+        raise NotImplementedError("index W_E with the tokens")
+
+
+class BlankPosEmbed(PosEmbed):
+    def forward(self, tokens):
+        raise NotImplementedError("slice W_pos to the sequence length")
+
+
+class BlankUnembed(Unembed):
+    def __init__(self, cfg):
+        raise NotImplementedError("create W_U and b_U")
+
+
+class BlankMLP(MLP):
+    def forward(self, x):
+        raise NotImplementedError("widen, gelu_new, project back")
+
+
+class BlankGPT2(GPT2):
+    def forward(self, tokens):
+        raise NotImplementedError("embed, blocks, ln_final, unembed")
+
+
+def blank_generate(model, tokens, max_new_tokens, *, temperature=1.0, top_k=None):
+    raise NotImplementedError("loop: crop, forward, last logits, sample, append")
+
+
+@pytest.mark.parametrize(
+    "check, blank, hint",
+    [
+        (check_embed, BlankEmbed, "index W_E"),
+        (check_pos_embed, BlankPosEmbed, "slice W_pos"),
+        (check_unembed, BlankUnembed, "create W_U"),
+        (check_mlp, BlankMLP, "widen"),
+        (check_gpt2_forward, BlankGPT2, "ln_final"),
+        (check_generate, blank_generate, "crop"),
+    ],
+)
+def test_blank_fails_with_its_hint(check, blank, hint):
+    fails(check, blank, "not implemented", hint)
+
+
+# Bugs.
+
+
+class ScaledEmbed(Embed):
+    def forward(self, tokens):
+        return self.W_E[tokens] * math.sqrt(self.cfg.d_model)
+
+
+def test_embed_rejects_vaswani_scale():
+    fails(check_embed, ScaledEmbed, "sqrt(d_model)")
+
+
+class PosEmbedByToken(PosEmbed):
+    def forward(self, tokens):
+        return self.W_pos[tokens]
+
+
+class PosEmbedNoBatch(PosEmbed):
+    def forward(self, tokens):
+        return self.W_pos[: tokens.shape[1]]
+
+
+def test_pos_embed_rejects_indexing_by_token_and_missing_batch():
+    fails(check_pos_embed, PosEmbedByToken, "not on which token")
+    fails(check_pos_embed, PosEmbedNoBatch, "shape")
+
+
+class UnembedBiasOnes(Unembed):
+    def __init__(self, cfg):
+        super().__init__(cfg)
+        self.b_U = nn.Parameter(torch.ones(cfg.d_vocab))  # the catalogue's "biases initialised to ones"
+
+
+class UnembedNoBias(Unembed):
+    def forward(self, x):
+        return x @ self.W_U
+
+
+class UnembedTransposed(Unembed):
+    def __init__(self, cfg):
+        super().__init__(cfg)
+        self.W_U = nn.Parameter(torch.randn(cfg.d_vocab, cfg.d_model) * cfg.init_range)
+
+
+def test_unembed_rejects_bias_ones_missing_bias_and_wrong_layout():
+    fails(check_unembed, UnembedBiasOnes, "zeros")
+    fails(check_unembed, UnembedNoBias, "bias")
+    fails(check_unembed, UnembedTransposed, "shape")
+
+
+class ExactGeluMLP(MLP):
+    def forward(self, x):
+        return F.gelu(x @ self.W_in + self.b_in) @ self.W_out + self.b_out
+
+
+class ReluMLP(MLP):
+    def forward(self, x):
+        return F.relu(x @ self.W_in + self.b_in) @ self.W_out + self.b_out
+
+
+def test_mlp_rejects_wrong_activation():
+    fails(check_mlp, ExactGeluMLP, "tanh")
+    fails(check_mlp, ReluMLP, "relu")
+
+
+class NoPositionGPT2(GPT2):
+    def forward(self, tokens):
+        residual = self.embed(tokens)
+        for block in self.blocks:
+            residual = block(residual)
+        return self.unembed(self.ln_final(residual))
+
+
+class NoFinalNormGPT2(GPT2):
+    def forward(self, tokens):
+        residual = self.embed(tokens) + self.pos_embed(tokens)
+        for block in self.blocks:
+            residual = block(residual)
+        return self.unembed(residual)
+
+
+def test_gpt2_forward_rejects_missing_parts():
+    fails(check_gpt2_forward, NoPositionGPT2, "position embedding")
+    fails(check_gpt2_forward, NoFinalNormGPT2, "ln_final")
+
+
+def _sampler(pick_logits, *, crop=True, temperature_op=lambda logits, t: logits / t, top_k_largest=True, greedy=False):
+    """A generate() with one knob turned wrong at a time."""
+
+    @torch.no_grad()
+    def sample(model, tokens, max_new_tokens, *, temperature=1.0, top_k=None):
+        for _ in range(max_new_tokens):
+            context = tokens[:, -model.cfg.n_ctx :] if crop else tokens
+            logits = pick_logits(model(context))
+            if temperature == 0 or greedy:
+                next_token = logits.argmax(-1, keepdim=True)
+            else:
+                logits = temperature_op(logits, temperature)
+                if top_k is not None:
+                    values = logits.topk(top_k, dim=-1, largest=top_k_largest).values[:, -1:]
+                    drop = logits < values if top_k_largest else logits > values
+                    logits = logits.masked_fill(drop, -math.inf)
+                next_token = torch.multinomial(logits.softmax(-1), 1)
+            tokens = torch.cat([tokens, next_token], dim=1)
+        return tokens
+
+    return sample
+
+
+def last(logits):
+    return logits[:, -1]
+
+
+def test_generate_rejects_classic_sampling_bugs():
+    fails(check_generate, _sampler(last, crop=False), "n_ctx")
+    fails(check_generate, _sampler(lambda logits: logits[:, 0]), "last position")
+    fails(check_generate, _sampler(last, temperature_op=lambda logits, t: logits * t), "divide")
+    fails(check_generate, _sampler(last, greedy=True), "instead of taking the argmax")
+    fails(check_generate, _sampler(last, top_k_largest=False), "top_k")
+
+
+def test_generate_rejects_division_by_zero_temperature():
+    @torch.no_grad()
+    def divides(model, tokens, max_new_tokens, *, temperature=1.0, top_k=None):
+        for _ in range(max_new_tokens):
+            probs = (model(tokens[:, -model.cfg.n_ctx :])[:, -1] / temperature).softmax(-1)
+            tokens = torch.cat([tokens, torch.multinomial(probs, 1)], dim=1)
+        return tokens
+
+    fails(check_generate, divides, "greedy")

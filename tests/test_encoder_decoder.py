@@ -1,0 +1,258 @@
+"""The encoder–decoder model against `torch.nn.Transformer`, plus masking, decoding and loss properties."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from transformer_course.encoder_decoder import (
+    EncoderDecoderTransformer,
+    Seq2SeqConfig,
+    beam_search,
+    greedy_decode,
+    label_smoothed_cross_entropy,
+    sinusoidal_positional_encoding,
+)
+
+PAD, BOS, EOS = 0, 1, 2
+
+
+def small_config(**overrides) -> Seq2SeqConfig:
+    settings = dict(src_vocab=23, tgt_vocab=19, d_model=16, n_heads=4, n_layers=2, d_ff=24, dropout=0.0, max_len=32)
+    settings.update(overrides)
+    return Seq2SeqConfig(**settings)
+
+
+def batch_with_padding():
+    # Rows of different lengths, right-padded; every row has at least one real token.
+    src = torch.tensor([[5, 6, 7, 8, 9, 10], [11, 12, 3, PAD, PAD, PAD], [4, PAD, PAD, PAD, PAD, PAD]])
+    tgt = torch.tensor([[BOS, 5, 6, 7, 8], [BOS, 9, PAD, PAD, PAD], [BOS, 3, 4, 5, PAD]])
+    return src, tgt
+
+
+def paper_positional_encoding(max_len: int, d_model: int) -> torch.Tensor:
+    # Written out element by element from section 3.5 of Vaswani et al. (2017).
+    pe = torch.zeros(max_len, d_model, dtype=torch.float64)
+    for pos in range(max_len):
+        for i in range(d_model // 2):
+            pe[pos, 2 * i] = math.sin(pos / 10000 ** (2 * i / d_model))
+            pe[pos, 2 * i + 1] = math.cos(pos / 10000 ** (2 * i / d_model))
+    return pe
+
+
+def test_positional_encoding_matches_the_paper():
+    ours = sinusoidal_positional_encoding(50, 12)
+    torch.testing.assert_close(ours.double(), paper_positional_encoding(50, 12), atol=1e-6, rtol=0)
+
+
+def _copy_attention(ours, theirs: nn.MultiheadAttention, n_heads: int) -> None:
+    d_model = theirs.embed_dim
+    d_head = d_model // n_heads
+    with torch.no_grad():
+        for k, name in enumerate("QKV"):
+            weight = theirs.in_proj_weight[k * d_model : (k + 1) * d_model]  # (head*d_head, d_model)
+            bias = theirs.in_proj_bias[k * d_model : (k + 1) * d_model]
+            getattr(ours, f"W_{name}").copy_(weight.T.reshape(d_model, n_heads, d_head).permute(1, 0, 2))
+            getattr(ours, f"b_{name}").copy_(bias.reshape(n_heads, d_head))
+        ours.W_O.copy_(theirs.out_proj.weight.T.reshape(n_heads, d_head, d_model))
+        ours.b_O.copy_(theirs.out_proj.bias)
+
+
+def _copy_norm(ours, theirs: nn.LayerNorm) -> None:
+    with torch.no_grad():
+        ours.w.copy_(theirs.weight)
+        ours.b.copy_(theirs.bias)
+
+
+def _copy_mlp(ours, linear1: nn.Linear, linear2: nn.Linear) -> None:
+    with torch.no_grad():
+        ours.W_in.copy_(linear1.weight.T)
+        ours.b_in.copy_(linear1.bias)
+        ours.W_out.copy_(linear2.weight.T)
+        ours.b_out.copy_(linear2.bias)
+
+
+def reference_transformer(cfg: Seq2SeqConfig) -> nn.Transformer:
+    """torch's Transformer with the same norm placement; post-LN stacks without an extra final norm."""
+    kwargs = dict(d_model=cfg.d_model, nhead=cfg.n_heads, dim_feedforward=cfg.d_ff, dropout=0.0, batch_first=True,
+                  norm_first=cfg.norm == "pre", activation=cfg.act_fn)
+    final = (lambda: nn.LayerNorm(cfg.d_model)) if cfg.norm == "pre" else (lambda: None)
+    encoder = nn.TransformerEncoder(nn.TransformerEncoderLayer(**kwargs), cfg.n_layers, norm=final(), enable_nested_tensor=False)
+    decoder = nn.TransformerDecoder(nn.TransformerDecoderLayer(**kwargs), cfg.n_layers, norm=final())
+    return nn.Transformer(d_model=cfg.d_model, nhead=cfg.n_heads, custom_encoder=encoder, custom_decoder=decoder, batch_first=True)
+
+
+def map_weights(ours: EncoderDecoderTransformer, theirs: nn.Transformer) -> None:
+    for block, layer in zip(ours.encoder, theirs.encoder.layers):
+        _copy_attention(block.attn, layer.self_attn, ours.cfg.n_heads)
+        _copy_mlp(block.mlp, layer.linear1, layer.linear2)
+        _copy_norm(block.ln1, layer.norm1)
+        _copy_norm(block.ln2, layer.norm2)
+    for block, layer in zip(ours.decoder, theirs.decoder.layers):
+        _copy_attention(block.self_attn, layer.self_attn, ours.cfg.n_heads)
+        _copy_attention(block.cross_attn, layer.multihead_attn, ours.cfg.n_heads)
+        _copy_mlp(block.mlp, layer.linear1, layer.linear2)
+        _copy_norm(block.ln1, layer.norm1)
+        _copy_norm(block.ln2, layer.norm2)
+        _copy_norm(block.ln3, layer.norm3)
+    if ours.cfg.norm == "pre":
+        _copy_norm(ours.ln_enc, theirs.encoder.norm)
+        _copy_norm(ours.ln_dec, theirs.decoder.norm)
+
+
+def reference_logits(ours: EncoderDecoderTransformer, theirs: nn.Transformer, src, tgt) -> torch.Tensor:
+    """Embeddings, masks and the output projection written independently around torch's Transformer."""
+    cfg = ours.cfg
+    dtype = ours.b_U.dtype
+    pe = paper_positional_encoding(cfg.max_len, cfg.d_model).to(dtype)
+
+    def embed(tokens, W_E):
+        return F.embedding(tokens, W_E) * math.sqrt(cfg.d_model) + pe[: tokens.shape[1]]
+
+    # torch's boolean masks mean the opposite of ours: True = may NOT attend.
+    causal = torch.triu(torch.ones(tgt.shape[1], tgt.shape[1], dtype=torch.bool), diagonal=1)
+    out = theirs(
+        embed(src, ours.src_embed.W_E),
+        embed(tgt, ours.tgt_embed.W_E),
+        tgt_mask=causal,
+        src_key_padding_mask=src == PAD,
+        tgt_key_padding_mask=tgt == PAD,
+        memory_key_padding_mask=src == PAD,
+    )
+    return out @ ours.W_U + ours.b_U
+
+
+@pytest.mark.parametrize(
+    ("norm", "act_fn", "dtype", "atol"),
+    [("post", "relu", torch.float64, 1e-10), ("pre", "gelu", torch.float64, 1e-10), ("post", "relu", torch.float32, 2e-5)],
+)
+def test_equals_torch_transformer(norm, act_fn, dtype, atol):
+    torch.manual_seed(0)
+    cfg = small_config(norm=norm, act_fn=act_fn)
+    theirs = reference_transformer(cfg).to(dtype)
+    ours = EncoderDecoderTransformer(cfg).to(dtype)
+    map_weights(ours, theirs)
+    src, tgt = batch_with_padding()
+    theirs.train()  # keeps torch off its inference fast path, which skips padded positions
+    torch.testing.assert_close(ours(src, tgt), reference_logits(ours, theirs, src, tgt), atol=atol, rtol=0)
+    ours.set_fast_attention(True)  # the SDPA path computes the same thing
+    torch.testing.assert_close(ours(src, tgt), reference_logits(ours, theirs, src, tgt), atol=atol, rtol=0)
+
+
+@pytest.mark.parametrize("norm", ["post", "pre"])
+def test_padding_does_not_change_real_positions(norm):
+    torch.manual_seed(1)
+    model = EncoderDecoderTransformer(small_config(norm=norm)).double()
+    src = torch.tensor([[5, 6, 7]])
+    tgt = torch.tensor([[BOS, 8, 9]])
+    alone = model(src, tgt)
+    padded = model(F.pad(src, (0, 4), value=PAD), F.pad(tgt, (0, 2), value=PAD))
+    torch.testing.assert_close(padded[:, :3], alone, atol=1e-12, rtol=0)
+
+
+def test_decoder_is_causal():
+    torch.manual_seed(2)
+    model = EncoderDecoderTransformer(small_config()).double()
+    src = torch.tensor([[5, 6, 7, 8]])
+    tgt = torch.tensor([[BOS, 3, 4, 5, 6]])
+    changed = tgt.clone()
+    changed[0, 3:] = torch.tensor([9, 10])
+    a, b = model(src, tgt), model(src, changed)
+    torch.testing.assert_close(a[:, :3], b[:, :3], atol=1e-12, rtol=0)  # the future cannot leak back
+    assert (a[:, 3:] - b[:, 3:]).abs().max() > 1e-3  # while the changed positions do change
+
+
+def test_tied_and_shared_embeddings_are_one_matrix():
+    model = EncoderDecoderTransformer(small_config(src_vocab=19, share_embeddings=True, tie_embeddings=True))
+    assert model.src_embed is model.tgt_embed and not hasattr(model, "W_U")
+    src, tgt = batch_with_padding()
+    x = model.decode(tgt, model.encode(src), model.src_mask(src))
+    assert x.shape == (3, 5, 19)
+    with pytest.raises(ValueError, match="share_embeddings"):
+        small_config(share_embeddings=True)
+
+
+def test_bad_input_gets_clear_errors():
+    model = EncoderDecoderTransformer(small_config())
+    with pytest.raises(ValueError, match=r"src: expected at most max_len=32 tokens, got 40"):
+        model(torch.ones(1, 40, dtype=torch.long), torch.ones(1, 3, dtype=torch.long))
+    with pytest.raises(ValueError, match=r"tgt: expected ids in \[0, 19\)"):
+        model(torch.ones(1, 4, dtype=torch.long), torch.full((1, 3), 19))
+    with pytest.raises(ValueError, match="src: expected an integer tensor"):
+        model(torch.ones(1, 4), torch.ones(1, 3, dtype=torch.long))
+    with pytest.raises(ValueError, match="max_len"):
+        greedy_decode(model, torch.ones(1, 4, dtype=torch.long), bos_id=BOS, eos_id=EOS, max_len=33)
+    with pytest.raises(ValueError, match="d_model"):
+        small_config(d_model=15, n_heads=3)
+
+
+def test_label_smoothing_matches_torch():
+    torch.manual_seed(3)
+    logits = torch.randn(4, 7, 11, dtype=torch.float64)
+    targets = torch.randint(1, 11, (4, 7))
+    targets[1, 4:] = PAD
+    ours = label_smoothed_cross_entropy(logits, targets, smoothing=0.1, ignore_index=PAD)
+    theirs = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), label_smoothing=0.1, ignore_index=PAD)
+    torch.testing.assert_close(ours, theirs.float(), atol=1e-6, rtol=0)
+    plain = label_smoothed_cross_entropy(logits, targets, smoothing=0.0)
+    torch.testing.assert_close(plain, F.cross_entropy(logits.flatten(0, 1), targets.flatten()).float(), atol=1e-6, rtol=0)
+
+
+class Scripted(EncoderDecoderTransformer):
+    """A model whose next token is fixed by the target length: tokens 5, 6, 7, ... then `eos_at`."""
+
+    def __init__(self, eos_at: int):
+        super().__init__(small_config())
+        self.eos_at = eos_at
+
+    def decode(self, tgt, memory, src_mask):
+        logits = torch.full((*tgt.shape, self.cfg.tgt_vocab), -10.0)
+        for pos in range(tgt.shape[1]):
+            logits[:, pos, EOS if pos + 1 == self.eos_at else 5 + pos % 10] = 10.0
+        return logits
+
+
+def test_decoding_stops_at_the_end_token_and_respects_max_len():
+    src = torch.tensor([[5, 6], [7, PAD]])
+    for decode in (greedy_decode, beam_search):
+        assert decode(Scripted(eos_at=4), src, bos_id=BOS, eos_id=EOS, max_len=10) == [[5, 6, 7]] * 2
+        assert decode(Scripted(eos_at=99), src, bos_id=BOS, eos_id=EOS, max_len=6) == [[5, 6, 7, 8, 9, 10]] * 2
+        assert decode(Scripted(eos_at=1), src, bos_id=BOS, eos_id=EOS, max_len=6) == [[], []]
+
+
+def test_beam_one_equals_greedy():
+    torch.manual_seed(4)
+    model = EncoderDecoderTransformer(small_config()).double()
+    src = torch.randint(3, 23, (6, 7))
+    src[2, 4:] = PAD
+    greedy = greedy_decode(model, src, bos_id=BOS, eos_id=EOS, max_len=12)
+    assert beam_search(model, src, bos_id=BOS, eos_id=EOS, max_len=12, beam_size=1) == greedy
+    assert all(len(row) <= 12 and EOS not in row and BOS not in row for row in greedy)
+
+
+def test_beam_search_finds_a_better_sequence_than_greedy():
+    # Hand-built two-step problem: greedy takes token 5 (p=0.6) then faces a flat distribution;
+    # token 6 (p=0.4) leads to a certain end. Beam 2 must prefer 6 -> eos (0.4) over 5 -> x -> ... .
+    class TwoPaths(EncoderDecoderTransformer):
+        def __init__(self):
+            super().__init__(small_config())
+
+        def decode(self, tgt, memory, src_mask):
+            logits = torch.full((*tgt.shape, self.cfg.tgt_vocab), -30.0)
+            last = tgt[:, -1]
+            for row, token in enumerate(last.tolist()):
+                if token == BOS:
+                    logits[row, -1, 5], logits[row, -1, 6] = math.log(0.6), math.log(0.4)
+                elif token == 6:
+                    logits[row, -1, EOS] = 0.0
+                else:
+                    logits[row, -1, 3:] = 0.0  # uniform over 16 tokens, eos never likely
+            return logits
+
+    src = torch.tensor([[5]])
+    assert greedy_decode(TwoPaths(), src, bos_id=BOS, eos_id=EOS, max_len=3)[0][0] == 5
+    assert beam_search(TwoPaths(), src, bos_id=BOS, eos_id=EOS, max_len=3, beam_size=2) == [[6]]
