@@ -33,7 +33,7 @@ import torch.distributed as dist
 
 from transformer_course.gpt2 import GPT2, GPT2Config, estimate_loss, generate, lm_loss, sample_batch
 from transformer_course.runtime import get_device, seed_everything
-from transformer_course.tokenization import BPETokenizer, CharTokenizer
+from transformer_course.tokenization import GPT2_SPLIT_PATTERN, BPETokenizer, CharTokenizer
 from transformer_course.training import TrainConfig, train
 
 # nanoGPT's config/train_shakespeare_char.py; "baby" is the CPU variant from its README.
@@ -100,7 +100,7 @@ def main(argv: list[str] | None = None) -> dict:
     if args.tokenizer == "char":
         tokenizer = CharTokenizer(text)
     else:
-        tokenizer = BPETokenizer.train(text[:split], args.bpe_vocab)
+        tokenizer = BPETokenizer.train(text[:split], args.bpe_vocab, pattern=GPT2_SPLIT_PATTERN)
     train_data = torch.tensor(tokenizer.encode(text[:split]), dtype=torch.long)
     val_data = torch.tensor(tokenizer.encode(text[split:]), dtype=torch.long)
 

@@ -54,7 +54,9 @@ def vendor() -> int:
         subprocess.run(["npm", "pack", f"mathjax@{VERSION}", "--silent"], cwd=tmp, check=True,
                        stdout=subprocess.DEVNULL)
         with tarfile.open(Path(tmp) / f"mathjax-{VERSION}.tgz") as archive:
-            archive.extractall(tmp, filter="data")
+            # The "data" filter refuses links and paths outside `tmp` (Python >= 3.10.12).
+            safe = {"filter": "data"} if hasattr(tarfile, "data_filter") else {}
+            archive.extractall(tmp, **safe)
         package = Path(tmp) / "package"
         if TARGET.exists():
             shutil.rmtree(TARGET)

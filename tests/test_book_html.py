@@ -150,6 +150,13 @@ def test_no_resource_from_another_host(page):
     assert not external, f"{page} loads from other hosts: {external}"
 
 
+def test_root_redirects_to_the_landing_page():
+    if not SITE.is_dir():
+        pytest.fail(BUILD_FIRST)
+    root = (SITE / "index.html").read_text(encoding="utf-8")
+    assert 'url=book/index.html"' in root, f"_build/html/index.html does not redirect to book/index.html: {root!r}"
+
+
 def test_mathjax_is_served_by_the_book():
     if not SITE.is_dir():
         pytest.fail(BUILD_FIRST)

@@ -10,6 +10,8 @@
 # wrong and hints at why.
 
 # %%
+from __future__ import annotations
+
 import math
 
 import einops

@@ -42,6 +42,7 @@ Pair = tuple[int, int]
 GPT2_SPLIT_PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
 
 FILE_FORMAT = "transformer_course.bpe"
+CACHE_SIZE = 1_000_000  # chunks whose encoding a BPETokenizer remembers
 
 
 # --- the building blocks (the workbook's exercises) -----------------------------------------
@@ -337,21 +338,19 @@ class BPETokenizer(Tokenizer):
             ) from None
         pieces = self._special_split.split(text) if self._special_split else [text]
         ids: list[int] = []
+        cache = self._cache  # chunk -> ids: most chunks of a text are words seen before
         for k, piece in enumerate(pieces):
-            if k % 2:  # re.split puts the separators (here: special tokens) at odd positions
+            if k % 2:  # split() puts the separators (here: special tokens) at odd positions
                 ids.append(self.special_tokens[piece])
                 continue
             for chunk in self._split.findall(piece) if self._split else [piece] if piece else []:
-                ids.extend(self._encode_chunk_cached(chunk))
+                chunk_ids = cache.get(chunk)
+                if chunk_ids is None:
+                    chunk_ids = encode_chunk([self.byte_ids[b] for b in chunk.encode("utf-8")], self.merges, self.ranks)
+                    if len(cache) < CACHE_SIZE:
+                        cache[chunk] = chunk_ids
+                ids.extend(chunk_ids)
         return ids
-
-    def _encode_chunk_cached(self, chunk: str) -> list[int]:
-        cached = self._cache.get(chunk)
-        if cached is None:
-            cached = encode_chunk([self.byte_ids[b] for b in chunk.encode("utf-8")], self.merges, self.ranks)
-            if len(self._cache) < 1_000_000:
-                self._cache[chunk] = cached
-        return cached
 
     def decode(self, ids: Iterable[int]) -> str:
         """Ids to text; bytes are joined before UTF-8 decoding, so split characters survive."""

@@ -290,7 +290,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--profile", choices=sorted(PROFILES), default=get_profile())
     parser.add_argument("--max-steps", type=int, help="override the profile's number of training steps")
     parser.add_argument("--beam-size", type=int, default=4, help="beam size for the BLEU evaluation (1 = greedy)")
+    parser.add_argument("--threads", type=int, help="CPU threads for PyTorch (1 is fastest on a busy machine)")
     args = parser.parse_args(argv)
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
     setup = PROFILES[args.profile]
     if args.max_steps is not None:
         setup = replace(setup, max_steps=args.max_steps)

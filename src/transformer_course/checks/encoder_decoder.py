@@ -35,8 +35,8 @@ __all__ = [
 ]
 
 
-def _diagnose(actual: Tensor, mistakes: dict[str, Tensor], name: str, generic: str, atol: float = 1e-6) -> None:
-    """Raise a `CheckFailure` naming the first classic mistake `actual` matches, else a generic hint."""
+def _diagnose(actual: Tensor, mistakes: dict[str, Tensor], name: str, atol: float = 1e-6) -> None:
+    """Raise a `CheckFailure` naming the first classic mistake `actual` matches (else return)."""
     for hint, wrong in mistakes.items():
         if wrong.shape == actual.shape and torch.allclose(actual.detach().double(), wrong.double(), atol=atol):
             raise CheckFailure(f"`{name}`: values differ from the reference.\nHint: {hint}")
@@ -76,7 +76,7 @@ def check_positional_encoding(fn: Callable[[int, int], Tensor]) -> None:
         if isinstance(actual, Tensor) and actual.shape == expected.shape and not torch.allclose(
             actual.double(), expected, atol=1e-5
         ):
-            _diagnose(actual, _pe_mistakes(max_len, d_model), name, "", atol=1e-5)
+            _diagnose(actual, _pe_mistakes(max_len, d_model), name, atol=1e-5)
         expect_close(
             actual.double() if isinstance(actual, Tensor) else actual, expected, name,
             "PE[pos, 2i] = sin(pos / 10000^(2i/d_model)) and PE[pos, 2i+1] = cos(pos / 10000^(2i/d_model)).",
@@ -110,7 +110,7 @@ def check_token_embedding(cls: type) -> None:
         "scale by sqrt(d_model), not by d_model.": looked_up * d_model + pe,
     }
     if isinstance(actual, Tensor) and actual.shape == expected.shape and not torch.allclose(actual.double(), expected, atol=1e-6):
-        _diagnose(actual, mistakes, name, "")
+        _diagnose(actual, mistakes, name)
     expect_close(actual, expected.detach(), name, "return W_E[tokens] * sqrt(d_model) + PE[:pos], then dropout.", atol=1e-6)
     passed(name)
 
@@ -156,7 +156,7 @@ def check_decoder_block(cls: type) -> None:
                 DecoderBlock.forward(_as_pre(ours), x, memory, tgt_mask, src_mask)
             )
         if isinstance(actual, Tensor) and actual.shape == expected.shape and not torch.allclose(actual.double(), expected, atol=1e-6):
-            _diagnose(actual, mistakes, name, "")
+            _diagnose(actual, mistakes, name)
         expect_close(
             actual, expected.detach(), f"{name} (norm={norm!r})",
             "three sublayers in order: masked self-attention, cross-attention to memory (keys and values "
@@ -197,7 +197,7 @@ def check_label_smoothing(fn: Callable[..., Tensor]) -> None:
             (nll * keep).sum() / keep.sum(),
     }
     if isinstance(actual, Tensor) and actual.shape == expected.shape and not torch.allclose(actual.double(), expected, atol=1e-6):
-        _diagnose(actual, mistakes, name, "")
+        _diagnose(actual, mistakes, name)
     expect_close(actual, expected, name, "(1 - s) * nll + s * mean over the vocab of -log p, averaged over non-padding targets.", atol=1e-6)
     passed(name)
 

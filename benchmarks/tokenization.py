@@ -1,0 +1,80 @@
+"""Training and encoding speed of the course's BPE against Hugging Face `tokenizers`.
+
+Both tokenizers are byte-level BPE with GPT-2's regex pre-split, trained on all of Tiny
+Shakespeare to the same vocabulary size (4096 by default). The script reports, as medians of
+`--repeats` rounds with the two implementations alternating so machine load hits both alike:
+
+* training time, and ours / HF (the course aims for at most 10x);
+* encoding throughput of the whole text in MB/s, starting from an empty per-chunk cache, and
+  ours / HF (the course aims for at least 1 MB/s);
+* bytes per token of both on the same text.
+
+Hugging Face runs on `--threads` threads (default 1, a like-for-like comparison with Python).
+
+Usage: python benchmarks/tokenization.py [--vocab-size 4096] [--repeats 3] [--threads 1]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--vocab-size", type=int, default=4096)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=1, help="threads for Hugging Face tokenizers")
+    args = parser.parse_args()
+    os.environ["RAYON_NUM_THREADS"] = str(args.threads)  # read when tokenizers starts its pool
+
+    import tokenizers
+    from tokenizers import pre_tokenizers, trainers
+
+    from transformer_course.data import load_text
+    from transformer_course.tokenization import GPT2_SPLIT_PATTERN, BPETokenizer
+
+    text = load_text("tinyshakespeare")
+    n_bytes = len(text.encode("utf-8"))
+
+    def train_hf() -> tokenizers.Tokenizer:
+        hf = tokenizers.Tokenizer(tokenizers.models.BPE())
+        hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        trainer = trainers.BpeTrainer(
+            vocab_size=args.vocab_size, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False
+        )
+        hf.train_from_iterator([text], trainer)
+        return hf
+
+    def timed(fn):
+        start = time.perf_counter()
+        result = fn()
+        return time.perf_counter() - start, result
+
+    times: dict[str, list[float]] = {"train ours": [], "train hf": [], "encode ours": [], "encode hf": []}
+    for _ in range(args.repeats):
+        seconds, ours = timed(lambda: BPETokenizer.train(text, args.vocab_size, pattern=GPT2_SPLIT_PATTERN))
+        times["train ours"].append(seconds)
+        seconds, hf = timed(train_hf)
+        times["train hf"].append(seconds)
+        fresh = BPETokenizer(ours.vocab, ours.merges, pattern=GPT2_SPLIT_PATTERN)  # empty cache
+        seconds, ids_ours = timed(lambda: fresh.encode(text))
+        times["encode ours"].append(seconds)
+        fresh_hf = tokenizers.Tokenizer.from_str(hf.to_str())  # empty cache
+        seconds, ids_hf = timed(lambda: fresh_hf.encode(text).ids)
+        times["encode hf"].append(seconds)
+    median = {name: statistics.median(values) for name, values in times.items()}
+
+    print(f"Tiny Shakespeare, {n_bytes:,} bytes; vocab {args.vocab_size}; median of {args.repeats}; HF threads {args.threads}")
+    print(f"train   ours {median['train ours']:6.2f} s   HF {median['train hf']:6.2f} s   "
+          f"ours/HF {median['train ours'] / median['train hf']:5.1f}x   (goal <= 10x)")
+    mb_ours, mb_hf = n_bytes / median["encode ours"] / 1e6, n_bytes / median["encode hf"] / 1e6
+    print(f"encode  ours {mb_ours:6.2f} MB/s  HF {mb_hf:6.2f} MB/s  "
+          f"ours/HF {mb_ours / mb_hf:5.2f}    (goal: ours >= 1 MB/s)")
+    print(f"bytes per token   ours {n_bytes / len(ids_ours):.3f}   HF {n_bytes / len(ids_hf):.3f}")
+
+
+if __name__ == "__main__":
+    main()

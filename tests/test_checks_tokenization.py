@@ -1,0 +1,187 @@
+"""The Chapter 1 checkers: the reference passes, blanks fail, and the classic bugs get targeted hints."""
+
+from __future__ import annotations
+
+import pytest
+
+from transformer_course import tokenization
+from transformer_course.checks import CheckFailure
+from transformer_course.checks.tokenization import (
+    check_decode_ids,
+    check_encode_chunk,
+    check_get_pair_counts,
+    check_merge_pair,
+    check_train_merges,
+)
+
+CHECKS = {
+    check_get_pair_counts: tokenization.get_pair_counts,
+    check_merge_pair: tokenization.merge_pair,
+    check_train_merges: tokenization.train_merges,
+    check_encode_chunk: tokenization.encode_chunk,
+    check_decode_ids: tokenization.decode_ids,
+}
+
+
+@pytest.mark.parametrize("check", CHECKS, ids=lambda c: c.__name__)
+def test_reference_passes(check, capsys) -> None:
+    check(CHECKS[check])
+    assert "passes every check" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("check", CHECKS, ids=lambda c: c.__name__)
+def test_blank_fails_with_hint(check) -> None:
+    def blank(*args, **kwargs):
+        raise NotImplementedError("Walk left to right.")
+
+    with pytest.raises(CheckFailure, match="not implemented yet.*Walk left to right"):
+        check(blank)
+
+
+def fails_with(check, fn, word: str) -> None:
+    with pytest.raises(CheckFailure) as info:
+        check(fn)
+    assert word in str(info.value), str(info.value)
+
+
+# --- buggy variants ---------------------------------------------------------------------------
+
+
+def merge_overlapping(ids, pair, new_id):
+    """Bug: after a match, steps one id instead of two, so (a, a) merges twice in "aaa"."""
+    out, i = [], 0
+    while i < len(ids):
+        if tuple(ids[i : i + 2]) == pair:
+            out.append(new_id)
+        elif i == 0 or tuple(ids[i - 1 : i + 1]) != pair:
+            out.append(ids[i])
+        i += 1
+    return out
+
+
+def test_merge_pair_overlapping_is_caught() -> None:
+    assert merge_overlapping([97, 97, 97], (97, 97), 256) == [256, 256]  # the bug, shown
+    fails_with(check_merge_pair, merge_overlapping, "overlapping")
+
+
+def test_merge_pair_other_correct_variant_passes() -> None:
+    def stops_early(ids, pair, new_id):
+        out, i = [], 0
+        while i < len(ids) - 1:
+            if (ids[i], ids[i + 1]) == pair:
+                out.append(new_id)
+                i += 2
+            else:
+                out.append(ids[i])
+                i += 1
+        return out + list(ids[i:])
+
+    check_merge_pair(stops_early)  # a correct variant written differently must pass
+
+
+def test_pair_counts_ignoring_weight_is_caught() -> None:
+    def unweighted(ids, counts=None, weight=1):
+        counts = {} if counts is None else counts
+        for pair in zip(ids, ids[1:]):
+            counts[pair] = counts.get(pair, 0) + 1
+        return counts
+
+    fails_with(check_get_pair_counts, unweighted, "weight")
+
+
+def test_pair_counts_skipping_overlaps_is_caught() -> None:
+    def skips_overlaps(ids, counts=None, weight=1):
+        counts = {} if counts is None else counts
+        i = 0
+        while i < len(ids) - 1:
+            pair = (ids[i], ids[i + 1])
+            counts[pair] = counts.get(pair, 0) + weight
+            i += 2 if ids[i] == ids[i + 1] else 1
+        return counts
+
+    fails_with(check_get_pair_counts, skips_overlaps, "Overlapping pairs all count")
+
+
+def naive_train(chunk_counts, num_merges, *, merge=tokenization.merge_pair, weighted=True):
+    chunks = {tuple(c): w for c, w in chunk_counts.items()}
+    merges = {}
+    for step in range(num_merges):
+        counts = {}
+        for chunk, weight in chunks.items():
+            tokenization.get_pair_counts(chunk, counts, weight if weighted else 1)
+        pair = max(counts, key=counts.get)
+        merges[pair] = 256 + step
+        chunks = {tuple(merge(list(c), pair, 256 + step)): w for c, w in chunks.items()}
+    return merges
+
+
+def test_train_merges_naive_but_correct_passes() -> None:
+    check_train_merges(naive_train)  # ties broken differently from the reference are fine
+
+
+def test_train_merges_overlapping_merge_is_caught() -> None:
+    fails_with(check_train_merges, lambda c, n: naive_train(c, n, merge=merge_overlapping), "overlapping")
+
+
+def test_train_merges_ignoring_chunk_counts_is_caught() -> None:
+    fails_with(check_train_merges, lambda c, n: naive_train(c, n, weighted=False), "how often the chunk occurs")
+
+
+def test_train_merges_ids_not_from_256_is_caught() -> None:
+    def from_zero(chunk_counts, num_merges):
+        return {pair: i - 256 for pair, i in tokenization.train_merges(chunk_counts, num_merges).items()}
+
+    fails_with(check_train_merges, from_zero, "256")
+
+
+def test_encode_in_text_order_is_caught() -> None:
+    def text_order(ids, merges, ranks):
+        ids = list(ids)
+        while True:
+            pairs = [p for p in zip(ids, ids[1:]) if p in merges]
+            if not pairs:
+                return ids
+            ids = tokenization.merge_pair(ids, pairs[0], merges[pairs[0]])
+
+    fails_with(check_encode_chunk, text_order, "lowest rank")
+
+
+def test_encode_overlapping_is_caught() -> None:
+    def overlapping(ids, merges, ranks):
+        ids = list(ids)
+        while len(ids) > 1:
+            pair = min(zip(ids, ids[1:]), key=lambda p: ranks.get(p, float("inf")))
+            if pair not in ranks:
+                break
+            ids = merge_overlapping(ids, pair, merges[pair])
+        return ids
+
+    fails_with(check_encode_chunk, overlapping, "overlapping")
+
+
+def test_encode_minbpe_loop_passes() -> None:
+    def minbpe(ids, merges, ranks):
+        ids = list(ids)
+        while len(ids) > 1:
+            pair = min(zip(ids, ids[1:]), key=lambda p: ranks.get(p, float("inf")))
+            if pair not in ranks:
+                break
+            ids = tokenization.merge_pair(ids, pair, merges[pair])
+        return ids
+
+    check_encode_chunk(minbpe)
+
+
+@pytest.mark.parametrize("errors", ["strict", "replace"])
+def test_decode_token_by_token_is_caught(errors: str) -> None:
+    def token_by_token(ids, vocab):
+        return "".join(vocab[i].decode("utf-8", errors=errors) for i in ids)
+
+    fails_with(check_decode_ids, token_by_token, "join all the tokens' bytes")
+
+
+def test_decode_strict_is_caught() -> None:
+    def strict(ids, vocab):
+        return b"".join(vocab[i] for i in ids).decode("utf-8")
+
+    fails_with(check_decode_ids, strict, "errors='replace'")

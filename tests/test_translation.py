@@ -1,0 +1,96 @@
+"""Translation data plumbing: the split by English sentence, batching, tokenizer, BLEU and caching."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import sacrebleu
+import torch
+
+from transformer_course.encoder_decoder import BOS, EOS, PAD, UNK
+from transformer_course.translation import (
+    N_TEST,
+    N_VALID,
+    PROFILES,
+    LengthBatches,
+    cache_dir,
+    corpus_bleu,
+    keep_short,
+    load_splits,
+    references_by_source,
+    split_pairs,
+    train_tokenizer,
+)
+
+TOY = [("Go.", "Ve."), ("Go.", "Vete."), ("Hi.", "Hola."), ("Run!", "¡Corre!"), ("Run!", "¡Corran!"), ("Who?", "¿Quién?"),
+       ("Wow!", "¡Órale!"), ("Fire!", "¡Fuego!"), ("Help!", "¡Ayuda!"), ("Stop!", "¡Para!")]
+
+
+def test_split_keeps_every_source_sentence_in_one_split():
+    splits = split_pairs(TOY, n_valid=2, n_test=3, seed=0)
+    sources = {name: {e for e, _ in pairs} for name, pairs in splits.items()}
+    assert len(sources["test"]) == 3 and len(sources["valid"]) == 2
+    assert not sources["test"] & sources["train"] and not sources["valid"] & sources["train"]
+    assert not sources["test"] & sources["valid"]
+    assert sorted(p for pairs in splits.values() for p in pairs) == sorted(TOY)  # nothing lost or repeated
+    assert split_pairs(TOY, n_valid=2, n_test=3, seed=0) == splits  # fixed seed, fixed split
+    with pytest.raises(ValueError, match="n_valid \\+ n_test"):
+        split_pairs(TOY, n_valid=4, n_test=4)
+
+
+def test_real_split_sizes_and_no_test_sentence_in_training():
+    splits = load_splits(max_words=1000)
+    sources = {name: {e for e, _ in pairs} for name, pairs in splits.items()}
+    assert len(sources["test"]) == N_TEST and len(sources["valid"]) == N_VALID
+    assert not sources["test"] & sources["train"]
+    assert sum(len(p) for p in splits.values()) == 118_964  # every Tatoeba pair, once
+
+
+def test_keep_short_counts_words_on_both_sides():
+    assert keep_short([("a b c", "x y"), ("a", "x y z w")], 3) == [("a b c", "x y")]
+
+
+def test_tokenizer_has_the_special_tokens_and_round_trips():
+    tokenizer = train_tokenizer(TOY * 5, 300)
+    assert set(tokenizer.special_tokens) == {PAD, BOS, EOS, UNK}
+    text = "¡Corre a la estación!"
+    assert tokenizer.decode(tokenizer.encode(text)) == text
+    assert tokenizer.encode(f"{BOS}Hola{EOS}")[0] == tokenizer.special_tokens[BOS]
+
+
+def test_batches_group_similar_lengths_and_depend_only_on_the_step():
+    tokenizer = train_tokenizer(TOY * 5, 300)
+    batches = LengthBatches(tokenizer, TOY, 3, seed=1)
+    src, tgt_in, tgt_out = batches(0)
+    pad, bos, eos = (tokenizer.special_tokens[t] for t in (PAD, BOS, EOS))
+    assert (tgt_in[:, 0] == bos).all()
+    # Teacher forcing: the decoder input is the output shifted right by one.
+    for row_in, row_out in zip(tgt_in.tolist(), tgt_out.tolist()):
+        real_out = [t for t in row_out if t != pad]
+        assert real_out[-1] == eos and [t for t in row_in if t != pad] == [bos] + real_out[:-1]
+    for step in range(8):
+        assert all(torch.equal(a, b) for a, b in zip(batches(step), LengthBatches(tokenizer, TOY, 3, seed=1)(step)))
+    seen = sorted(i for step in range(len(batches)) for i in batches.batches[step])
+    assert seen == list(range(len(TOY)))  # one epoch covers every pair once
+    lengths = [len(batches.examples[i][0]) for b in batches.batches for i in b]
+    assert lengths == sorted(lengths)
+
+
+def test_bleu_uses_every_reference():
+    sources, references = references_by_source(TOY)
+    assert references[sources.index("Run!")] == ["¡Corre!", "¡Corran!"]
+    hypotheses = ["el gato negro duerme en casa", "tengo dos perros muy grandes"]
+    refs = [["el gato negro duerme", "el gato negro duerme en casa"], ["tengo dos perros muy grandes"]]
+    expected = sacrebleu.corpus_bleu(hypotheses, [["el gato negro duerme", "tengo dos perros muy grandes"],
+                                                  ["el gato negro duerme en casa", None]])
+    assert corpus_bleu(hypotheses, refs).score == pytest.approx(expected.score)
+    assert corpus_bleu(hypotheses, refs).score == pytest.approx(100.0)  # each hypothesis matches one reference
+    assert corpus_bleu(hypotheses, refs, multi_reference=False).score < 100.0
+
+
+def test_cache_folder_changes_with_the_settings():
+    quick = PROFILES["quick"]
+    assert cache_dir(quick) == cache_dir(replace(quick))
+    assert cache_dir(quick) != cache_dir(replace(quick, max_steps=quick.max_steps + 1))
+    assert cache_dir(quick).name.startswith("quick-")
