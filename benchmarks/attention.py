@@ -14,9 +14,13 @@ and prints the ratios the course aims for: einsum / sdpa_math <= 1.5, fast / sdp
 Timings are medians of `--repeats` rounds, the implementations interleaved within each round
 so that load from other processes hits all of them alike.
 
-Peak memory is measured with `torch.profiler` (`profile_memory=True`): the running sum of the
-allocations and frees it records during one forward+backward, maximised over time, above the
-memory held before the step. On CUDA `torch.cuda.max_memory_allocated` does the same job.
+Peak memory is measured with `torch.profiler` (`profile_memory=True`): every op's own
+allocations minus frees, summed in the order the ops started, maximised over one
+forward+backward (so at op granularity: a buffer an op allocates and frees internally is not
+seen), above what was held before the step. It counts the tensors autograd saves for the
+backward pass, which is where the materialised pattern costs memory. On CUDA
+`torch.cuda.max_memory_allocated` does the same job. (The profiler logs two `USDT` lines per
+measurement on stderr.)
 
 Usage: python benchmarks/attention.py [--repeats 5] [--threads 1] [--device cpu]
 """
@@ -124,10 +128,9 @@ def peak_memory(fn: Callable[[Tensor], Tensor], x: Tensor, device: torch.device)
         return torch.cuda.max_memory_allocated() - before
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         step(fn, x)
-    events = sorted((e for e in prof.events() if e.name == "[memory]"), key=lambda e: e.time_range.start)
     held = peak = 0
-    for event in events:
-        held += event.cpu_memory_usage
+    for event in sorted(prof.events(), key=lambda e: e.time_range.start):
+        held += event.self_cpu_memory_usage  # allocations minus frees made by this op itself
         peak = max(peak, held)
     return peak
 

@@ -18,6 +18,7 @@ from transformer_course.tokenization import (
     GPT2_SPLIT_PATTERN,
     BPETokenizer,
     CharTokenizer,
+    bytes_to_unicode,
     encode_chunk,
     get_pair_counts,
     merge_pair,
@@ -96,6 +97,13 @@ def test_multibyte_character_split_across_tokens() -> None:
     tokenizer = BPETokenizer.train("x", 256)
     assert tokenizer.decode([0xC3, 0xA9]) == "é"
     assert tokenizer.encode("é") == [0xC3, 0xA9]
+
+
+def test_byte_alphabet_matches_gpt2() -> None:
+    from transformers.convert_slow_tokenizer import bytes_to_unicode as reference
+
+    assert bytes_to_unicode() == reference()
+    assert bytes_to_unicode()[ord(" ")] == "Ġ"  # GPT-2 writes the space as U+0120
 
 
 # --- the incremental trainer against a naive one ---------------------------------------------
@@ -209,6 +217,13 @@ def test_special_tokens(small_bpe: BPETokenizer) -> None:
     ids = small_bpe.encode(f"To be{EOT}or not")
     assert ids == small_bpe.encode("To be") + [eot] + small_bpe.encode("or not")
     assert small_bpe.decode(ids) == f"To be{EOT}or not"
+
+
+def test_special_tokens_longest_match_first() -> None:
+    tokenizer = BPETokenizer.train("hello", 258, special_tokens=["<e>", "<e>>"])
+    assert tokenizer.encode("<e>>") == [257]
+    assert tokenizer.encode("<e><e>>h") == [256, 257, ord("h")]
+    assert tokenizer.decode([257, 256]) == "<e>><e>"
 
 
 def test_save_load_round_trip(small_bpe: BPETokenizer, shakespeare: str, tmp_path) -> None:

@@ -16,6 +16,7 @@ from transformer_course.translation import (
     LengthBatches,
     cache_dir,
     corpus_bleu,
+    is_trained,
     keep_short,
     load_splits,
     references_by_source,
@@ -94,3 +95,13 @@ def test_cache_folder_changes_with_the_settings():
     assert cache_dir(quick) == cache_dir(replace(quick))
     assert cache_dir(quick) != cache_dir(replace(quick, max_steps=quick.max_steps + 1))
     assert cache_dir(quick).name.startswith("quick-")
+
+
+def test_is_trained_reads_the_cached_step(tmp_path, monkeypatch):
+    monkeypatch.setenv("TRANSFORMER_COURSE_RUNS", str(tmp_path))
+    setup = replace(PROFILES["quick"], max_steps=10)
+    assert cache_dir(setup).is_relative_to(tmp_path) and not is_trained(setup)
+    cache_dir(setup).mkdir(parents=True)
+    for step, done in ((4, False), (10, True)):
+        torch.save({"step": step}, cache_dir(setup) / "checkpoint.pt")
+        assert is_trained(setup) is done

@@ -95,8 +95,10 @@ print("same as F.scaled_dot_product_attention:", torch.allclose(out, F.scaled_do
 #   Pass each through its hook point (`self.hook_q(q)`, ...). Move the head axis before the
 #   positions, `"batch pos head d_head -> batch head pos d_head"`, so the attention of
 #   exercise 2 runs on every head at once. Compute the scores, fill the forbidden ones
-#   (`fill_masked`) and pass them through `hook_attn_scores`; the pattern through `hook_pattern`;
-#   `z = pattern @ v` back in `(batch, q_pos, head, d_head)` through `hook_z`. Finally project
+#   (`fill_masked`) and pass them through `hook_attn_scores`; take the softmax over keys with
+#   the forbidden weights set to zero (`masked_softmax(scores, mask)` does both) and pass the
+#   pattern through `hook_pattern`; pass `z = pattern @ v`, back in
+#   `(batch, q_pos, head, d_head)`, through `hook_z`. Finally project
 #   every head back with `W_O` and sum over heads (one einsum), and add `b_O`. When
 #   `self.use_fast_path` is set, replace the scores-pattern-z steps with one call to
 #   `F.scaled_dot_product_attention(q, k, v, attn_mask=mask)`.

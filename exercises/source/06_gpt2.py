@@ -92,6 +92,12 @@ check_mlp(MLP)
 # `GPT2.__init__` is given: it builds `embed`, `pos_embed`, `n_layers` pre-LN `TransformerBlock`s
 # (causal attention, then your MLP), `ln_final` and `unembed`. Write `forward`: embeddings in,
 # logits out. Keep the hook points (`hook_embed`, `hook_pos_embed`) so `run_with_cache` works.
+#
+# The model is built from the course's reference components (the blocks already are), so a slip
+# in an earlier exercise does not show up here as a mystery.
+
+# %%
+from transformer_course.gpt2 import Embed, PosEmbed, Unembed
 
 # %% [exercise] transformer_course.gpt2:GPT2 blank=forward
 # hint: check_tokens(tokens, self.cfg); embed + pos_embed (through hook_embed and hook_pos_embed), dropout, then each block in turn, then ln_final, then unembed.

@@ -79,8 +79,9 @@ def attention_scores(
     Without the scaling the dot product of two random unit-variance vectors has variance
     d_head, so large heads push the softmax into saturation where its gradient vanishes.
     """
-    scores = einops.einsum(q, k, "... q_pos d_head, ... k_pos d_head -> ... q_pos k_pos")
-    return scores / math.sqrt(q.shape[-1])
+    # Scaling q (q_pos x d_head numbers) costs less than scaling the scores (q_pos x k_pos).
+    q = q / math.sqrt(q.shape[-1])
+    return einops.einsum(q, k, "... q_pos d_head, ... k_pos d_head -> ... q_pos k_pos")
 
 
 def scaled_dot_product_attention(
@@ -202,7 +203,10 @@ class MultiHeadAttention(HookedRootModule):
                 z = z.masked_fill(~mask.any(dim=-1, keepdim=True), 0.0)
         else:
             scores = self.hook_attn_scores(fill_masked(attention_scores(q, k), mask))
-            pattern = self.hook_pattern(masked_softmax(scores, mask))
+            pattern = scores.softmax(dim=-1)
+            if mask is not None:  # as in masked_softmax: rows with no allowed key become zeros
+                pattern = pattern.masked_fill(~mask, 0.0)
+            pattern = self.hook_pattern(pattern)
             z = einops.einsum(pattern, v, "batch head q_pos k_pos, batch head k_pos d_head -> batch head q_pos d_head")
         z = self.hook_z(einops.rearrange(z, "batch head q_pos d_head -> batch q_pos head d_head"))
 

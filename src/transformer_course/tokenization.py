@@ -198,6 +198,11 @@ def _check_ids(ids: Any, vocab: Mapping[int, Any]) -> list[int]:
     return ids
 
 
+def _special_pattern(special_tokens: Iterable[str]) -> str:
+    """A regex that captures any of the special tokens, the longest first when one contains another."""
+    return "(" + "|".join(regex.escape(token) for token in sorted(special_tokens, key=len, reverse=True)) + ")"
+
+
 class Tokenizer:
     """The interface every tokenizer here has: `encode`, `decode` and `vocab_size`."""
 
@@ -209,9 +214,11 @@ class Tokenizer:
         return len(self.vocab)
 
     def encode(self, text: str) -> list[int]:
+        """Text to token ids."""
         raise NotImplementedError
 
     def decode(self, ids: Iterable[int]) -> str:
+        """Token ids to text."""
         raise NotImplementedError
 
 
@@ -273,11 +280,7 @@ class BPETokenizer(Tokenizer):
             if pair[0] not in self.vocab or pair[1] not in self.vocab or new_id not in self.vocab:
                 raise ValueError(f"merges: expected ids in the vocabulary, got {pair} -> {new_id}")
         self._split = regex.compile(pattern) if pattern else None
-        self._special_split = (
-            regex.compile("(" + "|".join(regex.escape(s) for s in sorted(self.special_tokens, key=len, reverse=True)) + ")")
-            if self.special_tokens
-            else None
-        )
+        self._special_split = regex.compile(_special_pattern(self.special_tokens)) if self.special_tokens else None
         self._cache: dict[str, list[int]] = {}
 
     # training --------------------------------------------------------------------------------
@@ -289,7 +292,9 @@ class BPETokenizer(Tokenizer):
         """Learn `vocab_size - 256 - len(special_tokens)` merges from `text`.
 
         Special tokens are cut out of the training text first, so no merge spans one; they take
-        the last ids. With `pattern`, merges never cross the chunks the pattern splits text into.
+        the last ids. With `pattern`, merges never cross the chunks the pattern splits text into;
+        without one the whole text is a single chunk (fine for short texts, slow for a book).
+        A text too short for that many merges gives a smaller vocabulary.
         """
         _check_text(text)
         special_tokens = list(special_tokens)
@@ -304,8 +309,9 @@ class BPETokenizer(Tokenizer):
                 f"vocab_size: expected an int >= {smallest} (256 bytes + {len(special_tokens)} special tokens), "
                 f"got {vocab_size!r}"
             )
-        base = cls({b: bytes([b]) for b in range(256)}, {}, pattern=pattern)
-        chunk_counts = Counter(chunk.encode("utf-8") for chunk in base._chunks(text, special_tokens))
+        pieces = regex.split(_special_pattern(special_tokens), text)[::2] if special_tokens else [text]
+        split = regex.compile(pattern).findall if pattern else lambda piece: [piece] if piece else []
+        chunk_counts = Counter(chunk.encode("utf-8") for piece in pieces for chunk in split(piece))
         merges = train_merges(chunk_counts, vocab_size - smallest)
         vocab = {b: bytes([b]) for b in range(256)}
         for (left, right), new_id in merges.items():
@@ -313,16 +319,6 @@ class BPETokenizer(Tokenizer):
         specials = {token: len(vocab) + k for k, token in enumerate(special_tokens)}
         vocab.update({i: token.encode("utf-8") for token, i in specials.items()})
         return cls(vocab, merges, pattern=pattern, special_tokens=specials)
-
-    def _chunks(self, text: str, special_tokens: Iterable[str] = ()) -> list[str]:
-        """Split text into the chunks merges never cross (special tokens removed)."""
-        pieces = [text]
-        if special_tokens:
-            splitter = regex.compile("|".join(regex.escape(s) for s in sorted(special_tokens, key=len, reverse=True)))
-            pieces = splitter.split(text)
-        if self._split is None:
-            return [piece for piece in pieces if piece]
-        return [chunk for piece in pieces for chunk in self._split.findall(piece)]
 
     # encoding and decoding -------------------------------------------------------------------
 

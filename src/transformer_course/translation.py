@@ -47,7 +47,7 @@ from transformer_course.encoder_decoder import (
 )
 from transformer_course.runtime import get_device, get_profile
 from transformer_course.tokenization import GPT2_SPLIT_PATTERN, BPETokenizer
-from transformer_course.training import History, TrainConfig, train
+from transformer_course.training import CHECKPOINT_NAME, History, TrainConfig, train
 
 Pair = tuple[str, str]
 SPLIT_SEED = 2017
@@ -79,8 +79,8 @@ class TranslationSetup:
 
 PROFILES = {
     "quick": TranslationSetup(
-        name="quick", max_words=6, vocab_size=2000, d_model=128, n_heads=4, n_layers=2, d_ff=512, dropout=0.1,
-        batch_size=64, max_steps=1200, lr=2e-3, warmup_steps=150, eval_every=200,
+        name="quick", max_words=6, vocab_size=2000, d_model=128, n_heads=4, n_layers=2, d_ff=512, dropout=0.0,
+        batch_size=64, max_steps=1200, lr=3e-3, warmup_steps=100, eval_every=200,
     ),
     "full": TranslationSetup(
         name="full", max_words=30, vocab_size=8000, d_model=512, n_heads=8, n_layers=6, d_ff=2048, dropout=0.1,
@@ -228,6 +228,12 @@ def cache_dir(setup: TranslationSetup) -> Path:
     """A folder named by the profile and a hash of every setting that changes the trained model."""
     key = json.dumps({**asdict(setup), "split": [SPLIT_SEED, N_VALID, N_TEST], "format": 1}, sort_keys=True)
     return runs_root() / "translation" / f"{setup.name}-{hashlib.sha256(key.encode()).hexdigest()[:12]}"
+
+
+def is_trained(setup: TranslationSetup) -> bool:
+    """True if the cache holds a model of `setup` trained to its last step."""
+    path = cache_dir(setup) / CHECKPOINT_NAME
+    return path.exists() and torch.load(path, map_location="cpu", weights_only=True)["step"] >= setup.max_steps
 
 
 @dataclass
