@@ -1,7 +1,7 @@
 """The built book, read the way a learner reads it: every page opened in headless Chromium.
 
-Build the book first (`jupyter-book build . -W -n --keep-going`), then run `pytest
-tests/test_book_html.py`. The HTML is served from `_build/html` on 127.0.0.1; every request to
+The `book_html` fixture (conftest.py) builds the book with warnings as errors; `pytest
+tests/test_book_html.py` runs these checks alone. The HTML is served from `_build/html` on 127.0.0.1; every request to
 any other host is blocked and reported, so a page that only works online fails here.
 
 For every page:
@@ -31,6 +31,7 @@ from pathlib import Path
 from urllib.parse import unquote, urlsplit
 
 import pytest
+from book_site import toc_pages
 
 ROOT = Path(__file__).resolve().parents[1]
 SITE = ROOT / "_build" / "html"
@@ -48,7 +49,6 @@ CHROMIUM_ARGS = [
 ]
 # Folders of the built site that hold assets, not pages.
 ASSET_DIRS = {"_static", "_sources", "_downloads", "_images"}
-BUILD_FIRST = f"no built book in {SITE}: build it first with `jupyter-book build . -W -n --keep-going`"
 
 # What must never appear in a notebook output shown in the book.
 BAD_OUTPUT = {
@@ -59,26 +59,7 @@ BAD_OUTPUT = {
 BAD_OUTPUT_CLASSES = {"stderr", "traceback", "error"}
 
 
-def pages() -> list[str]:
-    """Every HTML page of the built book, relative to the site root; the root redirect aside."""
-    if not SITE.is_dir():
-        return []
-    found = []
-    for path in sorted(SITE.rglob("*.html")):
-        relative = path.relative_to(SITE)
-        if relative.parts[0] in ASSET_DIRS or relative.parts[0].startswith(".") or relative == Path("index.html"):
-            continue
-        found.append(relative.as_posix())
-    return found
-
-
-PAGES = pages() or [None]
-
-
-def require_page(page: str | None) -> str:
-    if page is None:
-        pytest.fail(BUILD_FIRST)
-    return page
+PAGES = [f"{page}.html" for page in toc_pages()]
 
 
 class _Scan(HTMLParser):
@@ -133,9 +114,9 @@ def scan(path: Path) -> _Scan:
 
 
 @pytest.mark.parametrize("page", PAGES)
-def test_outputs_are_clean(page):
+def test_outputs_are_clean(page, book_html):
     """No warning, stderr block, traceback or object repr in any notebook output."""
-    parsed = scan(SITE / require_page(page))
+    parsed = scan(book_html / page)
     problems = [f"a {block} block" for block in parsed.bad_blocks]
     text = "".join(parsed.outputs)
     for what, pattern in BAD_OUTPUT.items():
@@ -144,23 +125,19 @@ def test_outputs_are_clean(page):
 
 
 @pytest.mark.parametrize("page", PAGES)
-def test_no_resource_from_another_host(page):
+def test_no_resource_from_another_host(page, book_html):
     """Scripts, styles, images and fonts all come from the book itself."""
-    external = [url for url in scan(SITE / require_page(page)).resources if urlsplit(url).netloc or url.startswith("//")]
+    external = [url for url in scan(book_html / page).resources if urlsplit(url).netloc or url.startswith("//")]
     assert not external, f"{page} loads from other hosts: {external}"
 
 
-def test_root_redirects_to_the_landing_page():
-    if not SITE.is_dir():
-        pytest.fail(BUILD_FIRST)
-    root = (SITE / "index.html").read_text(encoding="utf-8")
+def test_root_redirects_to_the_landing_page(book_html):
+    root = (book_html / "index.html").read_text(encoding="utf-8")
     assert 'url=book/index.html"' in root, f"_build/html/index.html does not redirect to book/index.html: {root!r}"
 
 
-def test_mathjax_is_served_by_the_book():
-    if not SITE.is_dir():
-        pytest.fail(BUILD_FIRST)
-    mathjax = SITE / "_static" / "mathjax"
+def test_mathjax_is_served_by_the_book(book_html):
+    mathjax = book_html / "_static" / "mathjax"
     assert (mathjax / "tex-chtml-full.js").is_file(), "MathJax is missing from _static/mathjax"
     assert sorted((mathjax / "output" / "chtml" / "fonts" / "woff-v2").glob("*.woff")), "MathJax fonts are missing"
 
@@ -174,9 +151,7 @@ class _QuietHandler(http.server.SimpleHTTPRequestHandler):
 
 
 @pytest.fixture(scope="module")
-def server():
-    if not SITE.is_dir():
-        pytest.fail(BUILD_FIRST)
+def server(book_html):
     handler = functools.partial(_QuietHandler, directory=str(SITE))
     httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
     thread = threading.Thread(target=httpd.serve_forever, daemon=True)
@@ -257,9 +232,9 @@ def _check_link(url: str) -> str | None:
     return None
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("page", PAGES)
 def test_page_in_browser(page, server, browser):
-    page = require_page(page)
     problems: list[str] = []
     external: list[str] = []
     tab = browser.new_page()
@@ -282,7 +257,8 @@ def test_page_in_browser(page, server, browser):
         info = tab.evaluate(INSPECT_PAGE)
         tab.wait_for_load_state("networkidle")
         SCREENSHOTS.mkdir(parents=True, exist_ok=True)
-        tab.screenshot(path=str(SCREENSHOTS / (page.replace("/", "__").removesuffix(".html") + ".png")), full_page=True)
+        shot = SCREENSHOTS / (page.replace("/", "__").removesuffix(".html") + ".png")
+        tab.screenshot(path=str(shot), full_page=True, animations="disabled")
     finally:
         tab.close()
 

@@ -26,6 +26,7 @@ from transformer_course.gpt2 import (
     sample_batch,
 )
 
+pytestmark = pytest.mark.filterwarnings("ignore:HookedTransformer is deprecated:DeprecationWarning")
 TINY = dict(n_layer=2, n_embd=32, n_head=4, vocab_size=61, n_positions=16)
 
 
@@ -300,6 +301,16 @@ def test_fast_path_matches_the_einsum_path():
         fast = model.use_fast_path()(tokens)
     assert all(block.attn.use_fast_path for block in model.blocks)
     torch.testing.assert_close(fast, slow, atol=1e-10, rtol=0)
+
+
+def test_torch_compile_traces_forward_and_backward():
+    """Dynamo traces the model (the aot_eager backend skips C++ code generation, keeping this fast)."""
+    model = tiny_gpt2().use_fast_path()
+    tokens = torch.randint(0, 61, (2, 16), generator=torch.Generator().manual_seed(12))
+    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+    torch.testing.assert_close(compiled(tokens), model(tokens), atol=1e-5, rtol=0)
+    lm_loss(compiled(tokens)[:, :-1], tokens[:, 1:]).backward()
+    assert model.embed.W_E.grad is not None
 
 
 def test_bf16_autocast_close_to_float32():

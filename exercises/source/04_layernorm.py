@@ -14,7 +14,6 @@
 
 # %% tags=nbval-ignore-output
 import torch
-import torch.nn.functional as F
 from jaxtyping import Float
 from torch import Tensor, nn
 from transformer_lens.hook_points import HookPoint

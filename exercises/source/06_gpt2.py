@@ -67,7 +67,7 @@ check_pos_embed(PosEmbed)
 # $\mathcal N(0, \text{init\_range}^2)$, and the bias `b_U` starts at zero.
 
 # %% [exercise] transformer_course.gpt2:Unembed blank=__init__,forward
-# hint __init__: create W_U and b_U as nn.Parameters: W_U with nn.init.normal_(std=cfg.init_range), b_U with torch.zeros.
+# hint __init__: call super().__init__() and keep cfg, then create W_U and b_U as nn.Parameters: W_U with nn.init.normal_(std=cfg.init_range), b_U with torch.zeros.
 # hint forward: x @ W_U + b_U.
 
 # %% [check]

@@ -320,7 +320,8 @@ def train(
         history = History.from_dict(checkpoint["history"])
         _set_rng_state(checkpoint["rng"])
         if is_main and cfg.progress:
-            print(f"resuming from {checkpoint_path} at step {start}", flush=True)
+            action = "loaded the finished run" if start >= cfg.max_steps else "resuming"
+            print(f"{action} from {checkpoint_path} (step {start})", flush=True)
     else:
         random.seed(cfg.seed)
         np.random.seed(cfg.seed)

@@ -20,7 +20,8 @@ __all__ = ["check_layernorm", "check_rmsnorm"]
 
 D_MODEL = 4  # small, so dividing by d_model - 1 instead of d_model is a visible 4/3
 BIG_EPS = 0.25  # large, so where eps goes changes the result visibly
-GENERIC_HINT = "subtract the mean over the last dim, divide by sqrt(biased variance + eps), then scale by w and shift by b."
+LAYERNORM_HINT = "subtract the mean over the last dim, divide by sqrt(biased variance + eps), then * w + b."
+RMSNORM_HINT = "divide x by sqrt(mean(x**2, dim=-1) + eps), then scale by w."
 
 
 def _inputs(generator: torch.Generator) -> list[Tensor]:
@@ -134,7 +135,7 @@ def check_layernorm(cls: Callable) -> None:
         for x in _inputs(generator):
             actual = call("LayerNorm.forward", ln, x)
             expected = F.layer_norm(x, (D_MODEL,), w, b, eps=eps)
-            hint = _diagnose(actual, _layer_norm_mistakes(x, w, b, eps), GENERIC_HINT)
+            hint = _diagnose(actual, _layer_norm_mistakes(x, w, b, eps), LAYERNORM_HINT)
             expect_close(actual, expected, "LayerNorm.forward", hint, atol=1e-6, rtol=1e-5)
     out = _expect_no_nan_on_constant_rows(
         "LayerNorm.forward", ln, "a constant row has variance 0: is eps inside the square root, sqrt(var + eps)?"
@@ -153,7 +154,9 @@ def check_rmsnorm(cls: Callable) -> None:
         for x in _inputs(generator):
             actual = call("RMSNorm.forward", norm, x)
             expected = F.rms_norm(x, (D_MODEL,), w, eps=eps)
-            hint = _diagnose(actual, _rms_norm_mistakes(x, w, eps), "divide x by sqrt(mean(x**2, dim=-1) + eps), then scale by w.")
+            hint = _diagnose(actual, _rms_norm_mistakes(x, w, eps), RMSNORM_HINT)
             expect_close(actual, expected, "RMSNorm.forward", hint, atol=1e-6, rtol=1e-5)
-    _expect_no_nan_on_constant_rows("RMSNorm.forward", norm, "an all-zero row must not give NaN: add eps inside the square root.")
+    _expect_no_nan_on_constant_rows(
+        "RMSNorm.forward", norm, "an all-zero row must not give NaN: add eps inside the square root."
+    )
     passed("RMSNorm")
