@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 from transformer_lens import HookedTransformer, HookedTransformerConfig
 from transformers import GPT2Config as HFGPT2Config
 from transformers import GPT2LMHeadModel
