@@ -80,7 +80,7 @@ class TranslationSetup:
 PROFILES = {
     "quick": TranslationSetup(
         name="quick", max_words=6, vocab_size=2000, d_model=128, n_heads=4, n_layers=2, d_ff=512, dropout=0.1,
-        batch_size=64, max_steps=1200, lr=2e-3, warmup_steps=150, eval_every=200,
+        batch_size=64, max_steps=3000, lr=2e-3, warmup_steps=150, eval_every=500,
     ),
     "full": TranslationSetup(
         name="full", max_words=30, vocab_size=8000, d_model=512, n_heads=8, n_layers=6, d_ff=2048, dropout=0.1,
