@@ -77,3 +77,15 @@ def test_every_blank_fails_its_check_with_the_hint(source, monkeypatch, tmp_path
             pending_hints = []
             checked += 1
     assert checked >= 1, f"{source.stem}: no exercise is followed by a check"
+
+
+def test_colab_install_cell_comes_first_when_the_course_has_a_repository():
+    source = SOURCES[0]
+    with_repo = notebooks.build(source, solution=False, repo_url="https://github.com/owner/course")
+    first = with_repo.cells[0]
+    assert first.metadata["tags"] == ["colab"]
+    assert '"google.colab" in sys.modules' in first.source
+    assert "git+https://github.com/owner/course" in first.source
+    without = notebooks.build(source, solution=False, repo_url=None)
+    assert len(with_repo.cells) == len(without.cells) + 1
+    assert "google.colab" not in without.cells[0].source
