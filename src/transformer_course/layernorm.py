@@ -25,6 +25,14 @@ def check_last_dim(x: Tensor, d_model: int, name: str = "x") -> None:
         raise TypeError(f"{name}: expected a floating-point tensor, got dtype {x.dtype}")
 
 
+
+def check_norm_args(d_model: int, eps: float) -> None:
+    """Raise a clear error for a norm's constructor arguments: `d_model` >= 1, `eps` >= 0."""
+    if d_model < 1:
+        raise ValueError(f"d_model: expected a positive size, got {d_model}")
+    if eps < 0:
+        raise ValueError(f"eps: expected a non-negative number, got {eps}")
+
 class LayerNorm(nn.Module):
     """Normalise each vector to zero mean and unit variance, then scale by `w` and shift by `b`.
 
@@ -34,10 +42,7 @@ class LayerNorm(nn.Module):
 
     def __init__(self, d_model: int, eps: float = 1e-5):
         super().__init__()
-        if d_model < 1:
-            raise ValueError(f"d_model: expected a positive size, got {d_model}")
-        if eps < 0:
-            raise ValueError(f"eps: expected a non-negative number, got {eps}")
+        check_norm_args(d_model, eps)
         self.d_model = d_model
         self.eps = eps
         self.w = nn.Parameter(torch.ones(d_model))
@@ -64,10 +69,7 @@ class RMSNorm(nn.Module):
 
     def __init__(self, d_model: int, eps: float = 1e-6):
         super().__init__()
-        if d_model < 1:
-            raise ValueError(f"d_model: expected a positive size, got {d_model}")
-        if eps < 0:
-            raise ValueError(f"eps: expected a non-negative number, got {eps}")
+        check_norm_args(d_model, eps)
         self.d_model = d_model
         self.eps = eps
         self.w = nn.Parameter(torch.ones(d_model))
