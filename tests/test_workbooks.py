@@ -10,7 +10,6 @@ import io
 import sys
 from pathlib import Path
 
-import nbformat
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
