@@ -9,6 +9,13 @@ Shapes and parameter names follow TransformerLens (`W_Q` is `(n_heads, d_model, 
 so a TransformerLens `Attention` state dict loads directly, and the hook points have the same
 names (`hook_q`, `hook_pattern`, ...), so `run_with_cache` shows every intermediate tensor.
 Masks are boolean with True = may attend (see `transformer_course.masking`).
+
+Numerics: float16 and bfloat16 inputs get their scores, softmax and weighted sum computed in
+float32 (a float16 dot product overflows at 65504), and results come back in the input dtype.
+Values at keys that no query may attend (padding) are zeroed, so a NaN or inf there never
+reaches an output. A NaN at a key that some query may attend is data, not padding: it reaches
+the queries that attend it and, through 0 * NaN = NaN, the other queries of the same head too,
+exactly as in `torch.nn.functional.scaled_dot_product_attention`.
 """
 
 from __future__ import annotations
@@ -23,9 +30,11 @@ from torch import Tensor, nn
 from transformer_lens.hook_points import HookPoint
 from transformer_lens.HookedRootModule import HookedRootModule
 
-from transformer_course.masking import fill_masked, masked_softmax
+from transformer_course.masking import check_mask, fill_masked, masked_softmax, upcast
 
-__all__ = ["attention_scores", "scaled_dot_product_attention", "validate_qkv", "MultiHeadAttention"]
+__all__ = [
+    "attention_scores", "scaled_dot_product_attention", "validate_qkv", "zero_unseen_values", "MultiHeadAttention"
+]
 
 
 def _shape(t: Tensor) -> tuple[int, ...]:
@@ -56,9 +65,7 @@ def validate_qkv(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None) ->
         ) from None
     if mask is None:
         return
-    if not isinstance(mask, Tensor) or mask.dtype != torch.bool:
-        got = mask.dtype if isinstance(mask, Tensor) else type(mask).__name__
-        raise ValueError(f"mask: expected a bool tensor (True = may attend), got {got}")
+    check_mask(mask)
     scores_shape = (*batch, q.shape[-2], k.shape[-2])
     try:
         fits = torch.broadcast_shapes(mask.shape, scores_shape) == torch.Size(scores_shape)
@@ -78,10 +85,22 @@ def attention_scores(
 
     Without the scaling the dot product of two random unit-variance vectors has variance
     d_head, so large heads push the softmax into saturation where its gradient vanishes.
+    float16 and bfloat16 inputs give float32 scores: float16 overflows at 65504.
     """
     # Scaling q (q_pos x d_head numbers) costs less than scaling the scores (q_pos x k_pos).
-    q = q / math.sqrt(q.shape[-1])
-    return einops.einsum(q, k, "... q_pos d_head, ... k_pos d_head -> ... q_pos k_pos")
+    q = upcast(q) / math.sqrt(q.shape[-1])
+    return einops.einsum(q, upcast(k), "... q_pos d_head, ... k_pos d_head -> ... q_pos k_pos")
+
+
+def zero_unseen_values(v: Float[Tensor, "... k_pos d_v"], mask: Bool[Tensor, "... q_pos k_pos"] | None) -> Float[Tensor, "... k_pos d_v"]:
+    """`v` with zeros at the keys no query may attend (padding), so a NaN there cannot leak.
+
+    Their weight is already 0, but 0 * NaN = NaN: without this, one NaN in a padded position
+    would turn every output of the row into NaN.
+    """
+    if mask is None:
+        return v
+    return v.masked_fill(~mask.any(dim=-2)[..., None], 0.0)
 
 
 def scaled_dot_product_attention(
@@ -93,12 +112,14 @@ def scaled_dot_product_attention(
     """softmax(q k^T / sqrt(d_head)) v, returning the output and the attention pattern.
 
     The softmax runs over keys: each query's weights sum to one (or are all zero when the
-    mask forbids every key of that query).
+    mask forbids every key of that query). Half-precision inputs are computed in float32 and
+    both results come back in the input dtype.
     """
     validate_qkv(q, k, v, mask)
     pattern = masked_softmax(attention_scores(q, k), mask)
+    v = upcast(zero_unseen_values(v, mask))
     out = einops.einsum(pattern, v, "... q_pos k_pos, ... k_pos d_v -> ... q_pos d_v")
-    return out, pattern
+    return out.to(q.dtype), pattern.to(q.dtype)
 
 
 class MultiHeadAttention(HookedRootModule):
@@ -166,6 +187,12 @@ class MultiHeadAttention(HookedRootModule):
         if not isinstance(t, Tensor) or t.ndim != 3 or t.shape[-1] != self.d_model:
             got = f"shape {tuple(t.shape)}" if isinstance(t, Tensor) else type(t).__name__
             raise ValueError(f"{name}: expected shape (batch, pos, d_model={self.d_model}), got {got}")
+        # Under autocast PyTorch casts inputs and weights itself.
+        if t.dtype != self.W_Q.dtype and not torch.is_autocast_enabled(t.device.type):
+            raise ValueError(
+                f"{name}: expected dtype {self.W_Q.dtype} (the dtype of the weights), got {t.dtype}; "
+                f"convert the input or the module with .to(dtype)"
+            )
         if batch is not None and t.shape[0] != batch:
             raise ValueError(f"{name}: expected batch size {batch} (the batch size of x), got {t.shape[0]}")
 
@@ -196,17 +223,19 @@ class MultiHeadAttention(HookedRootModule):
         # Heads become a batch dimension: (batch, head, pos, d_head).
         q, k, v = (einops.rearrange(t, "batch pos head d_head -> batch head pos d_head") for t in (q, k, v))
         validate_qkv(q, k, v, mask)
+        v = zero_unseen_values(v, mask)
 
         if self.use_fast_path:
             z = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
             if mask is not None:  # rows with no allowed key are zero, whichever kernel ran
                 z = z.masked_fill(~mask.any(dim=-1, keepdim=True), 0.0)
         else:
+            # Scores are float32 for half-precision inputs; the pattern has the input's dtype.
             scores = self.hook_attn_scores(fill_masked(attention_scores(q, k), mask))
             pattern = scores.softmax(dim=-1)
             if mask is not None:  # as in masked_softmax: rows with no allowed key become zeros
                 pattern = pattern.masked_fill(~mask, 0.0)
-            pattern = self.hook_pattern(pattern)
+            pattern = self.hook_pattern(pattern.to(v.dtype))
             z = einops.einsum(pattern, v, "batch head q_pos k_pos, batch head k_pos d_head -> batch head q_pos d_head")
         z = self.hook_z(einops.rearrange(z, "batch head q_pos d_head -> batch q_pos head d_head"))
 

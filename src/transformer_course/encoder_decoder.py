@@ -21,12 +21,20 @@ from jaxtyping import Bool, Float, Int
 from torch import Tensor, nn
 
 from transformer_course.attention import MultiHeadAttention
-from transformer_course.blocks import MLP
-from transformer_course.layernorm import LayerNorm
+from transformer_course.blocks import ACTIVATIONS, MLP
+from transformer_course.layernorm import LayerNorm, check_norm_args
 from transformer_course.masking import causal_mask, padding_mask
 
 # The special tokens a translation tokenizer carries.
 PAD, BOS, EOS, UNK = "<pad>", "<s>", "</s>", "<unk>"
+# Token tensors must be signed integers: indexing with uint8 or bool selects by mask instead.
+TOKEN_DTYPES = (torch.int8, torch.int16, torch.int32, torch.int64)
+
+
+def check_token_id(name: str, value: Any, vocab: int) -> None:
+    """Raise a ValueError naming `name` unless `value` is an int id in [0, vocab)."""
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < vocab:
+        raise ValueError(f"{name}: expected an int id in [0, {vocab}), got {value!r}")
 
 
 @dataclass
@@ -66,8 +74,10 @@ class Seq2SeqConfig:
             raise ValueError(f"dropout: expected a probability in [0, 1), got {self.dropout}")
         if self.norm not in ("post", "pre"):
             raise ValueError(f"norm: expected 'post' or 'pre', got {self.norm!r}")
-        if not 0 <= self.pad_id < min(self.src_vocab, self.tgt_vocab):
-            raise ValueError(f"pad_id: expected an id below both vocabulary sizes, got {self.pad_id}")
+        if self.act_fn not in ACTIVATIONS:
+            raise ValueError(f"act_fn: expected one of {sorted(ACTIVATIONS)}, got {self.act_fn!r}")
+        check_norm_args(self.d_model, self.layer_norm_eps)
+        check_token_id("pad_id", self.pad_id, min(self.src_vocab, self.tgt_vocab))
         if self.share_embeddings and self.src_vocab != self.tgt_vocab:
             raise ValueError(
                 f"share_embeddings: needs src_vocab == tgt_vocab, got {self.src_vocab} and {self.tgt_vocab}"
@@ -195,9 +205,11 @@ class EncoderDecoderTransformer(nn.Module):
                 module.use_fast_path = enabled
 
     def _check_tokens(self, name: str, tokens: Any, vocab: int) -> None:
-        if not isinstance(tokens, Tensor) or tokens.ndim != 2 or tokens.is_floating_point():
+        if not isinstance(tokens, Tensor) or tokens.ndim != 2 or tokens.dtype not in TOKEN_DTYPES:
             got = f"{tokens.dtype} tensor of shape {tuple(tokens.shape)}" if isinstance(tokens, Tensor) else type(tokens).__name__
-            raise ValueError(f"{name}: expected an integer tensor of shape (batch, pos), got {got}")
+            raise ValueError(f"{name}: expected an integer tensor (int64, int32, ...) of shape (batch, pos), got {got}")
+        if tokens.shape[1] == 0:
+            raise ValueError(f"{name}: expected at least one position, got shape {tuple(tokens.shape)}")
         if tokens.numel() and (tokens.min() < 0 or tokens.max() >= vocab):
             raise ValueError(f"{name}: expected ids in [0, {vocab}), got values from {tokens.min()} to {tokens.max()}")
         if tokens.shape[1] > self.cfg.max_len:
@@ -272,10 +284,16 @@ def label_smoothed_cross_entropy(
     return (loss * keep).sum() / keep.sum().clamp(min=1)
 
 
-def _check_decode_args(model: EncoderDecoderTransformer, src: Tensor, max_len: int) -> None:
+def _check_decode_args(
+    model: EncoderDecoderTransformer, src: Tensor, max_len: int, bos_id: int | None = None, eos_id: int | None = None
+) -> None:
     if isinstance(max_len, bool) or not isinstance(max_len, int) or not 1 <= max_len <= model.cfg.max_len:
         raise ValueError(f"max_len: expected an int in [1, {model.cfg.max_len}] (the model's max_len), got {max_len!r}")
     model._check_tokens("src", src, model.cfg.src_vocab)
+    # An eos_id the model cannot emit would let every row run on to max_len.
+    for name, value in (("bos_id", bos_id), ("eos_id", eos_id)):
+        if value is not None:
+            check_token_id(name, value, model.cfg.tgt_vocab)
 
 
 @torch.no_grad()
@@ -286,7 +304,7 @@ def greedy_decode(
 
     Returns one list of ids per source row, without the start and end tokens.
     """
-    _check_decode_args(model, src, max_len)
+    _check_decode_args(model, src, max_len, bos_id, eos_id)
     was_training = model.training
     model.eval()
     memory, src_mask = model.encode(src), model.src_mask(src)
@@ -323,7 +341,7 @@ def beam_search(
     longer translations are not unfairly punished for having more factors below one. With
     `beam_size=1` this is greedy decoding.
     """
-    _check_decode_args(model, src, max_len)
+    _check_decode_args(model, src, max_len, bos_id, eos_id)
     if isinstance(beam_size, bool) or not isinstance(beam_size, int) or beam_size < 1:
         raise ValueError(f"beam_size: expected a positive int, got {beam_size!r}")
     was_training = model.training
@@ -378,14 +396,20 @@ def translate(
     """Translate strings to strings: tokenize, decode greedily (`beam_size=1`) or with a beam, detokenize.
 
     The tokenizers must carry the special tokens `<pad> <s> </s>`; one tokenizer serves both sides
-    when the vocabulary is shared.
+    when the vocabulary is shared. `max_len=None` means the model's maximum.
     """
     if isinstance(sentences, str):
         raise TypeError("sentences: expected a list of strings, got a single string (wrap it in a list)")
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"batch_size: expected a positive int, got {batch_size!r}")
     tgt_tokenizer = tgt_tokenizer or src_tokenizer
+    for name, tokenizer, tokens in (("src_tokenizer", src_tokenizer, (EOS,)), ("tgt_tokenizer", tgt_tokenizer, (BOS, EOS))):
+        missing = [t for t in tokens if t not in getattr(tokenizer, "special_tokens", {})]
+        if missing:
+            raise ValueError(f"{name}: expected the special tokens {list(tokens)}, missing {missing}")
     bos_id, eos_id = tgt_tokenizer.special_tokens[BOS], tgt_tokenizer.special_tokens[EOS]
     device = next(model.parameters()).device
-    max_len = max_len or model.cfg.max_len
+    max_len = model.cfg.max_len if max_len is None else max_len
     out: list[str] = []
     for start in range(0, len(sentences), batch_size):
         ids = [src_tokenizer.encode(s) + [src_tokenizer.special_tokens[EOS]] for s in sentences[start : start + batch_size]]

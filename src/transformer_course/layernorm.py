@@ -8,10 +8,15 @@ loads directly.
 
 from __future__ import annotations
 
+import math
+from numbers import Real
+
 import torch
 from jaxtyping import Float
 from torch import Tensor, nn
 from transformer_lens.hook_points import HookPoint
+
+from transformer_course.masking import upcast
 
 
 def check_last_dim(x: Tensor, d_model: int, name: str = "x") -> None:
@@ -25,19 +30,28 @@ def check_last_dim(x: Tensor, d_model: int, name: str = "x") -> None:
         raise TypeError(f"{name}: expected a floating-point tensor, got dtype {x.dtype}")
 
 
-
 def check_norm_args(d_model: int, eps: float) -> None:
-    """Raise a clear error for a norm's constructor arguments: `d_model` >= 1, `eps` >= 0."""
+    """Raise a clear error for a norm's constructor arguments: an int `d_model` >= 1, a finite `eps` > 0.
+
+    `eps` must be positive: with `eps=0` a constant vector has variance 0 and gives 0 / 0 = NaN.
+    """
+    if isinstance(d_model, bool) or not isinstance(d_model, int):
+        raise TypeError(f"d_model: expected an int, got {type(d_model).__name__} {d_model!r}")
     if d_model < 1:
         raise ValueError(f"d_model: expected a positive size, got {d_model}")
-    if eps < 0:
-        raise ValueError(f"eps: expected a non-negative number, got {eps}")
+    if isinstance(eps, bool) or not isinstance(eps, Real):
+        raise TypeError(f"eps: expected a number, got {type(eps).__name__} {eps!r}")
+    if not math.isfinite(eps) or eps <= 0:
+        raise ValueError(f"eps: expected a finite number > 0, got {eps}")
+
 
 class LayerNorm(nn.Module):
     """Normalise each vector to zero mean and unit variance, then scale by `w` and shift by `b`.
 
     The variance is the biased one (divide by `d_model`, as `torch.nn.LayerNorm` does) and `eps`
     sits inside the square root, so a constant vector gives `b` rather than a division by zero.
+    float16 and bfloat16 inputs are normalised in float32 (in float16, squaring overflows once
+    |x| > 256) and the result is returned in the input's dtype.
     """
 
     def __init__(self, d_model: int, eps: float = 1e-5):
@@ -53,11 +67,12 @@ class LayerNorm(nn.Module):
     def forward(self, x: Float[Tensor, "*batch d_model"]) -> Float[Tensor, "*batch d_model"]:
         """Normalise each vector of `x` over its last dim, then apply the learned `w` and `b`."""
         check_last_dim(x, self.d_model)
+        dtype, x = x.dtype, upcast(x)
         x = x - x.mean(dim=-1, keepdim=True)
         variance = x.pow(2).mean(dim=-1, keepdim=True)  # biased: divide by d_model, not d_model - 1
         scale: Float[Tensor, "*batch 1"] = self.hook_scale((variance + self.eps).sqrt())
         x = self.hook_normalized(x / scale)
-        return x * self.w + self.b
+        return (x * self.w + self.b).to(dtype)
 
     def extra_repr(self) -> str:
         return f"d_model={self.d_model}, eps={self.eps}"
@@ -65,7 +80,8 @@ class LayerNorm(nn.Module):
 
 class RMSNorm(nn.Module):
     """Divide each vector by its root mean square, then scale by `w`: layer norm without the
-    centring and without the shift, used by LLaMA, T5 and most recent models."""
+    centring and without the shift, used by LLaMA, T5 and most recent models. Like `LayerNorm`,
+    it computes in float32 for float16 and bfloat16 inputs and returns the input's dtype."""
 
     def __init__(self, d_model: int, eps: float = 1e-6):
         super().__init__()
@@ -79,10 +95,11 @@ class RMSNorm(nn.Module):
     def forward(self, x: Float[Tensor, "*batch d_model"]) -> Float[Tensor, "*batch d_model"]:
         """Divide each vector of `x` by its root mean square over the last dim, then scale by `w`."""
         check_last_dim(x, self.d_model)
+        dtype, x = x.dtype, upcast(x)
         mean_square = x.pow(2).mean(dim=-1, keepdim=True)
         scale: Float[Tensor, "*batch 1"] = self.hook_scale((mean_square + self.eps).sqrt())
         x = self.hook_normalized(x / scale)
-        return x * self.w
+        return (x * self.w).to(dtype)
 
     def extra_repr(self) -> str:
         return f"d_model={self.d_model}, eps={self.eps}"

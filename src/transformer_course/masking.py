@@ -10,7 +10,8 @@ scores of shape `(batch, head, q_pos, k_pos)`:
 
 `masked_softmax` turns scores and a mask into an attention pattern without ever producing NaN:
 masked scores are filled with the most negative *finite* number of the dtype (not -inf), and a
-query row with no allowed key gets an all-zero pattern.
+query row with no allowed key gets an all-zero pattern. Half-precision scores are exponentiated
+and summed in float32 (`upcast`), as PyTorch's fused kernels do.
 """
 
 from __future__ import annotations
@@ -19,7 +20,22 @@ import torch
 from jaxtyping import Bool, Float, Int
 from torch import Tensor
 
-__all__ = ["check_length", "causal_mask", "padding_mask", "combine_masks", "fill_masked", "masked_softmax"]
+__all__ = ["upcast", "check_mask", "check_length", "causal_mask", "padding_mask", "combine_masks", "fill_masked", "masked_softmax"]
+
+
+def upcast(t: Tensor) -> Tensor:
+    """`t` in float32 if it is float16 or bfloat16, else unchanged: the dtype to accumulate in.
+
+    Half precision loses too much in a long sum, and float16 overflows above 65504.
+    """
+    return t.to(torch.promote_types(t.dtype, torch.float32))
+
+
+def check_mask(mask: object, name: str = "mask") -> None:
+    """Raise a ValueError naming `name` unless `mask` is a bool tensor (True = may attend)."""
+    if not isinstance(mask, Tensor) or mask.dtype != torch.bool:
+        got = mask.dtype if isinstance(mask, Tensor) else type(mask).__name__
+        raise ValueError(f"{name}: expected a bool tensor (True = may attend), got {got}")
 
 
 def check_length(name: str, value: object) -> int:
@@ -73,9 +89,7 @@ def combine_masks(*masks: Bool[Tensor, "..."] | None) -> Bool[Tensor, "..."] | N
     for index, mask in enumerate(masks):
         if mask is None:
             continue
-        if not isinstance(mask, Tensor) or mask.dtype != torch.bool:
-            got = mask.dtype if isinstance(mask, Tensor) else type(mask).__name__
-            raise ValueError(f"masks[{index}]: expected a bool tensor (True = may attend), got {got}")
+        check_mask(mask, f"masks[{index}]")
         if combined is None:
             combined = mask
             continue
@@ -107,8 +121,10 @@ def masked_softmax(scores: Float[Tensor, "... q_pos k_pos"], mask: Bool[Tensor, 
 
     A query row with no allowed key gets an all-zero pattern (and so a zero output and zero
     gradients), which is also what `torch.nn.functional.scaled_dot_product_attention` returns.
+    float16 and bfloat16 scores are handled in float32; the pattern has the scores' dtype.
     """
     if mask is None:
-        return scores.softmax(dim=-1)
-    pattern = fill_masked(scores, mask).softmax(dim=-1)
-    return pattern.masked_fill(~mask, 0.0)
+        return upcast(scores).softmax(dim=-1).to(scores.dtype)
+    check_mask(mask)
+    pattern = fill_masked(upcast(scores), mask).softmax(dim=-1)
+    return pattern.masked_fill(~mask, 0.0).to(scores.dtype)

@@ -15,6 +15,9 @@ from __future__ import annotations
 
 import heapq
 import json
+import operator
+import os
+import tempfile
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
@@ -42,6 +45,7 @@ Pair = tuple[int, int]
 GPT2_SPLIT_PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
 
 FILE_FORMAT = "transformer_course.bpe"
+FILE_VERSION = 1
 CACHE_SIZE = 1_000_000  # chunks whose encoding a BPETokenizer remembers
 
 
@@ -185,17 +189,142 @@ def _check_text(text: Any) -> None:
         raise TypeError(f"text: expected a str, got {type(text).__name__}")
 
 
+def _check_utf8(text: Any) -> None:
+    """Raise a clear error unless `text` is a str that UTF-8 can encode (no lone surrogates)."""
+    _check_text(text)
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(
+            f"text: expected a string UTF-8 can encode, got the lone surrogate {text[exc.start]!r} "
+            f"at index {exc.start}"
+        ) from None
+
+
+def _as_id(token: Any) -> int | None:
+    """`token` as an int if it is an integer of any kind (int, NumPy, 0-d tensor), else None.
+
+    Bools are refused: `True` is an int to Python, but never meant as token 1.
+    """
+    if isinstance(token, bool) or str(getattr(token, "dtype", "")) == "torch.bool":
+        return None
+    try:
+        return operator.index(token)
+    except TypeError:
+        return None
+
+
 def _check_ids(ids: Any, vocab: Mapping[int, Any]) -> list[int]:
     if isinstance(ids, (str, bytes)) or not isinstance(ids, Iterable):
         raise TypeError(f"ids: expected a sequence of ints, got {type(ids).__name__}")
-    ids = list(ids)
+    checked = []
     for position, token in enumerate(ids):
-        if not isinstance(token, int) or isinstance(token, bool) or token not in vocab:
+        i = _as_id(token)
+        if i not in vocab:
             raise ValueError(
                 f"ids: expected token ids in the vocabulary (0..{len(vocab) - 1}), "
                 f"got {token!r} at position {position}"
             )
-    return ids
+        checked.append(i)
+    return checked
+
+
+def _compile_pattern(pattern: Any) -> regex.Pattern | None:
+    if pattern is None:
+        return None
+    if not isinstance(pattern, str):
+        raise TypeError(f"pattern: expected a regular expression str or None, got {type(pattern).__name__}")
+    try:
+        return regex.compile(pattern)
+    except regex.error as exc:
+        raise ValueError(f"pattern: expected a valid regular expression, got {pattern!r} ({exc})") from None
+
+
+def split_chunks(text: str, split: regex.Pattern | None) -> list[str]:
+    """Cut `text` into the chunks merges never cross: the pattern's matches *and* the text between them.
+
+    Keeping the unmatched text means no pattern can drop characters, so `decode(encode(s)) == s`
+    whatever the pattern (GPT-2's matches every character, so for it the two are the same).
+    """
+    if split is None:
+        return [text] if text else []
+    chunks, end = [], 0
+    for match in split.finditer(text):
+        start, stop = match.span()
+        if start > end:
+            chunks.append(text[end:start])
+        if stop > start:
+            chunks.append(text[start:stop])
+        end = max(end, stop)
+    if end < len(text):
+        chunks.append(text[end:])
+    return chunks
+
+
+def _check_tables(vocab: Mapping[int, bytes], merges: Mapping[Pair, int], special_tokens: Mapping[str, int]) -> None:
+    """Raise a clear error unless ids are 0..len(vocab)-1 and merges and special tokens agree with vocab."""
+    for i, token in vocab.items():
+        if _as_id(i) is None or not 0 <= i < len(vocab):
+            raise ValueError(f"vocab: expected ids 0..{len(vocab) - 1} (one per token), got id {i!r}")
+        if not isinstance(token, bytes) or not token:
+            raise ValueError(f"vocab: expected non-empty bytes for id {i}, got {token!r}")
+    created: set[int] = set()
+    for rank, (pair, new_id) in enumerate(merges.items()):
+        ids = (*pair, new_id) if isinstance(pair, tuple) and len(pair) == 2 else ()
+        if not ids or any(_as_id(j) is None or j not in vocab for j in ids):
+            raise ValueError(f"merges: expected a pair of ids in the vocabulary and a new id, got {pair} -> {new_id}")
+        if vocab[new_id] != vocab[pair[0]] + vocab[pair[1]]:
+            raise ValueError(
+                f"merges: merge {rank} {pair} -> {new_id} disagrees with vocab: expected the bytes "
+                f"{vocab[pair[0]] + vocab[pair[1]]!r}, vocab has {vocab[new_id]!r}"
+            )
+        if new_id in created:
+            raise ValueError(f"merges: expected each merge to create a new id, got {new_id} twice (merge {rank})")
+        created.add(new_id)
+    for token, i in special_tokens.items():
+        if not isinstance(token, str) or not token or _as_id(i) is None or i not in vocab:
+            raise ValueError(f"special_tokens: expected non-empty strings with ids in the vocabulary, got {token!r}: {i!r}")
+        if vocab[i] != token.encode("utf-8"):
+            raise ValueError(f"special_tokens: {token!r} has id {i}, but vocab has {vocab[i]!r} for that id")
+
+
+def _read_json(path: Path, name: str) -> Any:
+    """Parse the JSON file `path`; an unreadable one is a ValueError naming the file and `name`."""
+    text = _read_text(path, name)
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{name}: {str(path)!r} is not valid JSON: {exc}") from None
+
+
+def _read_text(path: Path, name: str) -> str:
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"{name}: {str(path)!r} is not UTF-8 text: {exc}") from None
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    """Write to a temporary file in the same folder, then rename: the old file survives a crash."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def _load_field(state: dict[str, Any], name: str, kind: type | tuple[type, ...], expected: str) -> Any:
+    if name not in state:
+        raise ValueError(f"field {name!r}: missing")
+    value = state[name]
+    if isinstance(value, bool) or not isinstance(value, kind):
+        raise ValueError(f"field {name!r}: expected {expected}, got {type(value).__name__} {value!r:.60}")
+    return value
 
 
 def _special_pattern(special_tokens: Iterable[str]) -> str:
@@ -253,7 +382,9 @@ class BPETokenizer(Tokenizer):
     `vocab` maps every id to its bytes, `merges` maps each learned pair to the id it creates (in
     training order: a merge's rank is its position), `special_tokens` maps strings such as
     `"<|endoftext|>"` to ids, and `pattern` (if any) pre-splits text into chunks that merges
-    never cross. Build one with `train`, `load`, `from_huggingface` or `from_gpt2_files`.
+    never cross. Build one with `train`, `load`, `from_huggingface` or `from_gpt2_files`; the
+    constructor refuses tables that disagree (a merge whose bytes are not its pair's, ids
+    outside 0..vocab_size-1), since they would encode or decode wrongly without an error.
     """
 
     def __init__(
@@ -268,6 +399,7 @@ class BPETokenizer(Tokenizer):
         self.merges = dict(merges)
         self.pattern = pattern
         self.special_tokens = dict(special_tokens or {})
+        _check_tables(self.vocab, self.merges, self.special_tokens)
         self.ranks = {pair: rank for rank, pair in enumerate(self.merges)}
         self.byte_ids = {}
         for i, token in self.vocab.items():
@@ -276,10 +408,7 @@ class BPETokenizer(Tokenizer):
         missing = sorted(set(range(256)) - set(self.byte_ids))
         if missing:
             raise ValueError(f"vocab: expected an id for each of the 256 bytes, got none for bytes {missing[:8]}")
-        for pair, new_id in self.merges.items():
-            if pair[0] not in self.vocab or pair[1] not in self.vocab or new_id not in self.vocab:
-                raise ValueError(f"merges: expected ids in the vocabulary, got {pair} -> {new_id}")
-        self._split = regex.compile(pattern) if pattern else None
+        self._split = _compile_pattern(pattern)
         self._special_split = regex.compile(_special_pattern(self.special_tokens)) if self.special_tokens else None
         self._cache: dict[str, list[int]] = {}
 
@@ -292,11 +421,16 @@ class BPETokenizer(Tokenizer):
         """Learn `vocab_size - 256 - len(special_tokens)` merges from `text`.
 
         Special tokens are cut out of the training text first, so no merge spans one; they take
-        the last ids. With `pattern`, merges never cross the chunks the pattern splits text into;
-        without one the whole text is a single chunk (fine for short texts, slow for a book).
-        A text too short for that many merges gives a smaller vocabulary.
+        the last ids. With `pattern`, merges never cross the chunks the pattern splits text into
+        (see `split_chunks`); without one the whole text is a single chunk (fine for short texts,
+        slow for a book). A text too short for that many merges gives a smaller vocabulary.
         """
-        _check_text(text)
+        _check_utf8(text)
+        split = _compile_pattern(pattern)
+        if isinstance(special_tokens, (str, bytes)) or not isinstance(special_tokens, Iterable):
+            raise TypeError(
+                f"special_tokens: expected an iterable of strings such as ['<eos>'], got {special_tokens!r}"
+            )
         special_tokens = list(special_tokens)
         for token in special_tokens:
             if not isinstance(token, str) or not token:
@@ -310,8 +444,7 @@ class BPETokenizer(Tokenizer):
                 f"got {vocab_size!r}"
             )
         pieces = regex.split(_special_pattern(special_tokens), text)[::2] if special_tokens else [text]
-        split = regex.compile(pattern).findall if pattern else lambda piece: [piece] if piece else []
-        chunk_counts = Counter(chunk.encode("utf-8") for piece in pieces for chunk in split(piece))
+        chunk_counts = Counter(chunk.encode("utf-8") for piece in pieces for chunk in split_chunks(piece, split))
         merges = train_merges(chunk_counts, vocab_size - smallest)
         vocab = {b: bytes([b]) for b in range(256)}
         for (left, right), new_id in merges.items():
@@ -324,14 +457,7 @@ class BPETokenizer(Tokenizer):
 
     def encode(self, text: str) -> list[int]:
         """Text to ids: special tokens first, then the pre-split, then merges within each chunk."""
-        _check_text(text)
-        try:
-            text.encode("utf-8")
-        except UnicodeEncodeError as exc:
-            raise ValueError(
-                f"text: expected a string UTF-8 can encode, got the lone surrogate {text[exc.start]!r} "
-                f"at index {exc.start}"
-            ) from None
+        _check_utf8(text)
         pieces = self._special_split.split(text) if self._special_split else [text]
         ids: list[int] = []
         cache = self._cache  # chunk -> ids: most chunks of a text are words seen before
@@ -339,7 +465,7 @@ class BPETokenizer(Tokenizer):
             if k % 2:  # split() puts the separators (here: special tokens) at odd positions
                 ids.append(self.special_tokens[piece])
                 continue
-            for chunk in self._split.findall(piece) if self._split else [piece] if piece else []:
+            for chunk in split_chunks(piece, self._split):
                 chunk_ids = cache.get(chunk)
                 if chunk_ids is None:
                     chunk_ids = encode_chunk([self.byte_ids[b] for b in chunk.encode("utf-8")], self.merges, self.ranks)
@@ -355,30 +481,58 @@ class BPETokenizer(Tokenizer):
     # saving and loading ----------------------------------------------------------------------
 
     def save(self, path: str | Path) -> None:
-        """Write the tokenizer as JSON (token bytes in hex)."""
+        """Write the tokenizer as JSON (token bytes in hex), atomically: a crash leaves the old file."""
         state = {
             "format": FILE_FORMAT,
-            "version": 1,
+            "version": FILE_VERSION,
             "pattern": self.pattern,
             "vocab": {str(i): token.hex() for i, token in self.vocab.items()},
             "merges": [[left, right, new_id] for (left, right), new_id in self.merges.items()],
             "special_tokens": self.special_tokens,
         }
-        Path(path).write_text(json.dumps(state, indent=1))
+        _write_atomically(Path(path), json.dumps(state, indent=1))
 
     @classmethod
     def load(cls, path: str | Path) -> BPETokenizer:
-        """Read a tokenizer written by `save`."""
-        state = json.loads(Path(path).read_text())
+        """Read a tokenizer written by `save`, checking every field: a file that disagrees with
+        itself is refused with its name and the field, never loaded into a wrong tokenizer."""
+        path = Path(path)
+        state = _read_json(path, "path")
         if not isinstance(state, dict) or state.get("format") != FILE_FORMAT:
             found = state.get("format") if isinstance(state, dict) else type(state).__name__
-            raise ValueError(f"path: expected a {FILE_FORMAT!r} JSON file written by BPETokenizer.save, got {found!r}")
-        return cls(
-            {int(i): bytes.fromhex(token) for i, token in state["vocab"].items()},
-            {(left, right): new_id for left, right, new_id in state["merges"]},
-            pattern=state["pattern"],
-            special_tokens=state["special_tokens"],
-        )
+            raise ValueError(
+                f"path: expected a {FILE_FORMAT!r} JSON file written by BPETokenizer.save, got {found!r} "
+                f"in {str(path)!r}"
+            )
+        try:
+            return cls._from_state(state)
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"path: {str(path)!r} is not a valid tokenizer file: {exc}") from None
+
+    @classmethod
+    def _from_state(cls, state: dict[str, Any]) -> BPETokenizer:
+        version = _load_field(state, "version", int, f"the version {FILE_VERSION}")
+        if version != FILE_VERSION:
+            raise ValueError(f"field 'version': expected {FILE_VERSION} (the only version this code reads), got {version}")
+        vocab = {}
+        for key, token in _load_field(state, "vocab", dict, "an object {id: hex bytes}").items():
+            try:
+                i, token_bytes = int(key), bytes.fromhex(token)
+                if str(i) != key:
+                    raise ValueError
+            except (TypeError, ValueError):
+                raise ValueError(f"field 'vocab': expected a decimal id and hex bytes, got {key!r}: {token!r}") from None
+            vocab[i] = token_bytes
+        merges = {}
+        for rank, merge in enumerate(_load_field(state, "merges", list, "a list of [left, right, new_id]")):
+            if not isinstance(merge, list) or len(merge) != 3 or any(_as_id(j) is None for j in merge):
+                raise ValueError(f"field 'merges': expected [left, right, new_id] ids, got {merge!r} at index {rank}")
+            merges[(merge[0], merge[1])] = merge[2]
+        if len(merges) != len(state["merges"]):
+            raise ValueError("field 'merges': expected each pair to be merged once, got a pair twice")
+        special_tokens = _load_field(state, "special_tokens", dict, "an object {token: id}")
+        pattern = _load_field(state, "pattern", (str, type(None)), "a regular expression or null")
+        return cls(vocab, merges, pattern=pattern, special_tokens=special_tokens)
 
     # GPT-2 and Hugging Face formats ----------------------------------------------------------
 
@@ -389,9 +543,16 @@ class BPETokenizer(Tokenizer):
         Tokens are written in GPT-2's byte-to-unicode alphabet (see `bytes_to_unicode`). Vocabulary
         entries that are neither a byte nor a merge result (`<|endoftext|>`) become special tokens.
         """
-        vocab = json.loads(Path(vocab_json).read_text(encoding="utf-8"))
+        vocab = _read_json(Path(vocab_json), "vocab_json")
+        if not isinstance(vocab, dict):
+            raise ValueError(f"vocab_json: expected an object {{token: id}} in {str(vocab_json)!r}, got {type(vocab).__name__}")
+        for token, i in vocab.items():
+            if _as_id(i) is None:
+                raise ValueError(
+                    f"vocab_json: expected integer ids in {str(vocab_json)!r}, got {i!r} for the entry {token!r}"
+                )
         merges = []
-        for number, line in enumerate(Path(merges_txt).read_text(encoding="utf-8").splitlines(), start=1):
+        for number, line in enumerate(_read_text(Path(merges_txt), "merges_txt").splitlines(), start=1):
             if line.startswith("#version") or not line.strip():
                 continue
             parts = line.split(" ")
