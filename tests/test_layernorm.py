@@ -9,6 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from transformer_lens.components import LayerNorm as TLLayerNorm
 from transformer_lens.components import RMSNorm as TLRMSNorm
 from transformer_lens.config import HookedTransformerConfig
@@ -186,3 +188,79 @@ def test_bad_constructor_arguments():
         LayerNorm(0)
     with pytest.raises(ValueError, match="eps"):
         RMSNorm(4, eps=-1.0)
+
+
+@pytest.mark.parametrize("cls", [LayerNorm, RMSNorm])
+@pytest.mark.parametrize("eps", [0.0, -1e-5, float("nan"), float("inf"), 1e-50])
+def test_eps_that_would_give_nan_is_refused(cls, eps):
+    with pytest.raises(ValueError, match=rf"eps: expected a finite number >= 1.18e-38, got {eps}"):
+        cls(8, eps=eps)
+
+
+@pytest.mark.parametrize("cls", [LayerNorm, RMSNorm])
+def test_constructor_arguments_of_the_wrong_type_are_named(cls):
+    with pytest.raises(TypeError, match="d_model: expected an int, got str '8'"):
+        cls("8")
+    with pytest.raises(TypeError, match="d_model: expected an int, got bool"):
+        cls(True)
+    with pytest.raises(TypeError, match="eps: expected a number, got str"):
+        cls(8, eps="1e-5")
+
+
+# ---- half precision -------------------------------------------------------------------------
+# Tolerance, in every dtype: our error against the exact answer (float64 on the same, already
+# rounded, input) is at most the larger of PyTorch's own error in that dtype and the error that
+# computing in float32 (float64 for float64) allows, 8 eps (|offset| + scale) / scale max|w|,
+# plus 4 units in the last place of the output, which both round once.
+
+
+def _ulp(dtype: torch.dtype) -> float:
+    return torch.finfo(dtype).eps
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    dtype=st.sampled_from([torch.float64, torch.float32, torch.float16, torch.bfloat16]),
+    offset=st.floats(-1e4, 1e4), log_scale=st.floats(-2, 2), seed=st.integers(0, 2**16),
+)
+def test_property_norms_as_accurate_as_torch_in_every_dtype(dtype, offset, log_scale, seed):
+    g = torch.Generator().manual_seed(seed)
+    x = (offset + 10**log_scale * torch.randn(3, 5, D, generator=g, dtype=torch.float64)).to(dtype)
+    w = torch.randn(D, generator=g, dtype=torch.float64) + 1
+    b = torch.randn(D, generator=g, dtype=torch.float64)
+    ln, rms = LayerNorm(D).to(dtype), RMSNorm(D).to(dtype)
+    with torch.no_grad():
+        ln.w.copy_(w), ln.b.copy_(b), rms.w.copy_(w)
+    w, b = w.to(dtype), b.to(dtype)  # the weights the modules hold, rounded to dtype
+    cases = [
+        (ln(x), F.layer_norm(x, (D,), w, b, 1e-5), F.layer_norm(x.double(), (D,), w.double(), b.double(), 1e-5)),
+        (rms(x), F.rms_norm(x, (D,), w, 1e-6), F.rms_norm(x.double(), (D,), w.double(), 1e-6)),
+    ]
+    compute = torch.promote_types(dtype, torch.float32)
+    conditioning = 8 * _ulp(compute) * (abs(offset) + 10**log_scale) / 10**log_scale * w.abs().max().item()
+    for ours, torch_same_dtype, exact in cases:
+        assert ours.dtype == dtype and torch.isfinite(ours).all()
+        ours_error = (ours.double() - exact).abs().max().item()
+        torch_error = (torch_same_dtype.double() - exact).abs().max().item()
+        assert ours_error <= max(torch_error, conditioning) + 4 * _ulp(dtype) * (1 + exact.abs().max().item())
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("cls", [LayerNorm, RMSNorm])
+def test_half_precision_input_beyond_256_is_normalised(cls, dtype):
+    """In float16, x**2 overflows once |x| > 256: the old output was `b` (LayerNorm) or 0 (RMSNorm)."""
+    torch.manual_seed(0)
+    x = (300 * torch.randn(4, D, dtype=torch.float64)).to(dtype)
+    expected = cls(D).double()(x.double())
+    y = cls(D).to(dtype)(x)
+    assert y.dtype == dtype
+    torch.testing.assert_close(y.double(), expected, atol=4 * _ulp(dtype) * 4, rtol=0)
+
+
+@pytest.mark.parametrize("cls", [LayerNorm, RMSNorm])
+def test_half_precision_gradients_are_finite(cls):
+    x = (1000 * torch.randn(3, D)).half().requires_grad_()
+    norm = cls(D).half()
+    norm(x).pow(2).sum().backward()
+    assert x.grad.dtype == torch.float16 and torch.isfinite(x.grad).all()
+    assert all(torch.isfinite(p.grad).all() for p in norm.parameters())
