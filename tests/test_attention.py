@@ -14,6 +14,8 @@ import einops
 import pytest
 import torch
 import torch.nn.functional as F
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformer_lens import HookedTransformerConfig
 from transformer_lens.components import Attention
@@ -315,3 +317,97 @@ def test_mha_hooks_are_named_inside_a_larger_model():
 def test_mha_errors(build, message):
     with pytest.raises(ValueError, match=message):
         build()
+
+
+# ---- half precision, any score scale, NaN in padding, dtype errors ------------------------------
+
+
+def _exact_attention(q, k, v, mask):
+    """float64 attention on the same (already rounded) inputs, fully masked rows zero."""
+    q, k, v = q.double(), k.double(), v.double()
+    pattern = (q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])).masked_fill(~mask, -math.inf)
+    return pattern.softmax(-1).nan_to_num(0.0) @ v
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_sdpa_half_precision_scores_beyond_float16_range(dtype):
+    """q.k / sqrt(d) of about 1e5 overflows float16; PyTorch's SDPA handles it, and so must we."""
+    g = torch.Generator().manual_seed(0)
+    q, k = (300 * torch.randn(2, 5, 16, generator=g, dtype=torch.float64)).to(dtype).unbind(0)
+    v = torch.randn(6, 16, generator=g, dtype=torch.float64)[:5].to(dtype)
+    mask = causal_mask(5)
+    assert (q.double() @ k.double().T / 4).abs().max() > torch.finfo(torch.float16).max
+    out, pattern = scaled_dot_product_attention(q, k, v, mask)
+    theirs = F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=mask)[0]
+    assert out.dtype == pattern.dtype == dtype and torch.isfinite(out).all() and torch.isfinite(theirs).all()
+    expected = _exact_attention(q, k, v, mask)
+    tolerance = 4 * torch.finfo(dtype).eps * v.abs().max().item()
+    torch.testing.assert_close(out.double(), expected, atol=tolerance, rtol=0)
+    torch.testing.assert_close(theirs.double(), expected, atol=tolerance, rtol=0)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    dtype=st.sampled_from([torch.float32, torch.float16, torch.bfloat16]), log_scale=st.floats(-2, 3.3),
+    q_len=st.integers(1, 5), k_len=st.integers(1, 6), masked=st.sampled_from([0.0, 0.5, 1.0]),
+    seed=st.integers(0, 2**16),
+)
+@example(dtype=torch.float16, log_scale=3.0, q_len=4, k_len=5, masked=0.0, seed=0)  # scores overflow float16
+def test_property_sdpa_finite_at_any_scale_and_mask(dtype, log_scale, q_len, k_len, masked, seed):
+    """Scores from about 1e-4 to 1e7 (float16 overflows at 65504), any mask (fully masked rows included): finite outputs in the
+    input dtype, each a weighted average of the values, and finite gradients."""
+    g = torch.Generator().manual_seed(seed)
+    q = (torch.randn(2, q_len, 8, generator=g, dtype=torch.float64) * 10**log_scale).to(dtype).requires_grad_()
+    k = (torch.randn(2, k_len, 8, generator=g, dtype=torch.float64) * 10**log_scale).to(dtype).requires_grad_()
+    v = torch.randn(2, k_len, 8, generator=g, dtype=torch.float64).to(dtype).requires_grad_()
+    mask = torch.rand(2, q_len, k_len, generator=g) >= masked
+    out, pattern = scaled_dot_product_attention(q, k, v, mask)
+    assert out.dtype == pattern.dtype == dtype
+    assert torch.isfinite(out).all() and torch.isfinite(pattern).all()
+    assert out.abs().max() <= v.abs().max() * (1 + 4 * torch.finfo(dtype).eps)
+    assert (out[~mask.any(-1)] == 0).all()
+    out.backward(torch.randn(out.shape, generator=g).to(dtype))
+    for grad in (q.grad, k.grad, v.grad):
+        assert torch.isfinite(grad).all()
+
+
+def test_nan_value_at_a_padded_key_does_not_leak():
+    """Keys and values no query may attend are zeroed: their weight is 0, but 0 * NaN would be NaN."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 4, 8, generator=g, dtype=torch.float64) for _ in range(3))
+    mask = padding_mask(torch.tensor([[5, 6, 7, 0], [5, 6, 0, 0]]), 0)[:, 0]  # (batch, 1, k_pos)
+    poisoned = v.clone()
+    poisoned[0, 3] = math.nan
+    poisoned[1, 2:] = math.inf
+    clean, _ = scaled_dot_product_attention(q, k, v, mask)
+    out, _ = scaled_dot_product_attention(q, k, poisoned, mask)
+    torch.testing.assert_close(out, clean, atol=0, rtol=0)
+
+    mha = _randomise(MultiHeadAttention(8, 2).double(), seed=1)
+    context = torch.randn(2, 4, 8, generator=g, dtype=torch.float64)
+    bad_context = context.clone()
+    bad_context[0, 3] = math.nan  # NaN inputs at a padding position give NaN values there
+    for fast in (False, True):
+        mha.use_fast_path = fast
+        expected = mha(q, context, mask=mask[:, None])
+        torch.testing.assert_close(mha(q, bad_context, mask=mask[:, None]), expected, atol=1e-12, rtol=0)
+
+
+def test_nan_value_at_an_attended_key_reaches_the_outputs_as_in_torch():
+    """Documented, not changed: a NaN at a key some query attends is data and propagates."""
+    q, k, v = (torch.randn(3, 8, dtype=torch.float64) for _ in range(3))
+    v[1, 0] = math.nan
+    out, _ = scaled_dot_product_attention(q, k, v, causal_mask(3))
+    theirs = F.scaled_dot_product_attention(q, k, v, attn_mask=causal_mask(3))
+    assert torch.equal(out.isnan(), theirs.isnan()) and out[1:, 0].isnan().all()
+
+
+def test_mha_input_of_another_dtype_names_the_argument_and_both_dtypes():
+    mha = MultiHeadAttention(8, 2)
+    x = torch.randn(2, 3, 8)
+    with pytest.raises(ValueError, match=r"x: expected dtype torch.float32 \(the dtype of the weights\), got torch.float64"):
+        mha(x.double())
+    with pytest.raises(ValueError, match=r"context: expected dtype torch.float32 .* got torch.float16"):
+        mha(x, x.half())
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # autocast casts inputs and weights itself
+        assert mha(x.bfloat16()).shape == (2, 3, 8)

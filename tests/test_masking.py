@@ -195,7 +195,7 @@ def test_property_padding_invariance(q_len, k_len, extra, fast, seed):
 @settings(max_examples=30, deadline=None)
 @given(
     q_len=st.integers(1, 5), k_len=st.integers(1, 5), fast=st.booleans(),
-    dtype=st.sampled_from([torch.float64, torch.float32, torch.bfloat16]), seed=st.integers(0, 2**16),
+    dtype=st.sampled_from([torch.float64, torch.float32, torch.float16, torch.bfloat16]), seed=st.integers(0, 2**16),
 )
 def test_property_no_nan_for_fully_masked_rows(q_len, k_len, fast, dtype, seed):
     """Random masks, some rows with no allowed key: those rows give exactly b_O, grads stay finite."""
@@ -213,3 +213,39 @@ def test_property_no_nan_for_fully_masked_rows(q_len, k_len, fast, dtype, seed):
     out.sum().backward()
     for tensor in (x.grad, context.grad, *(p.grad for p in mha.parameters())):
         assert torch.isfinite(tensor).all()
+
+
+# ---- half precision and any score scale ---------------------------------------------------------
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    dtype=st.sampled_from([torch.float32, torch.float16, torch.bfloat16]),
+    log_scale=st.floats(-3, 6), q_len=st.integers(1, 5), k_len=st.integers(1, 6),
+    masked=st.sampled_from([0.0, 0.5, 0.9, 1.0]), seed=st.integers(0, 2**16),
+)
+def test_property_masked_softmax_any_mask_any_scale(dtype, log_scale, q_len, k_len, masked, seed):
+    """No NaN, exact zeros where masked, finite gradients, and within 4 ulps of the exact softmax.
+
+    Scores go up to the dtype's largest finite value (65504 in float16).
+    """
+    g = torch.Generator().manual_seed(seed)
+    big = torch.finfo(dtype).max
+    raw = (torch.randn(2, q_len, k_len, generator=g, dtype=torch.float64) * 10**log_scale).clamp(-big, big)
+    scores = raw.to(dtype).requires_grad_()
+    mask = torch.rand(2, q_len, k_len, generator=g) >= masked
+    pattern = masked_softmax(scores, mask)
+    assert pattern.dtype == dtype and torch.isfinite(pattern).all()
+    assert (pattern[~mask] == 0).all()
+    exact = scores.detach().double().masked_fill(~mask, -math.inf).softmax(-1).nan_to_num(0.0)
+    torch.testing.assert_close(pattern.double(), exact, atol=4 * torch.finfo(dtype).eps, rtol=0)
+    pattern.backward(torch.randn(pattern.shape, generator=g).to(dtype))
+    assert torch.isfinite(scores.grad).all()
+
+
+def test_masked_softmax_names_a_mask_that_is_not_bool():
+    scores = torch.randn(2, 3)
+    with pytest.raises(ValueError, match=r"mask: expected a bool tensor \(True = may attend\), got torch.int64"):
+        masked_softmax(scores, torch.ones(2, 3, dtype=torch.long))
+    with pytest.raises(ValueError, match="mask: expected a bool tensor .* got list"):
+        masked_softmax(scores, [[True] * 3] * 2)

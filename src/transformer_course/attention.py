@@ -12,8 +12,8 @@ Masks are boolean with True = may attend (see `transformer_course.masking`).
 
 Numerics: float16 and bfloat16 inputs get their scores, softmax and weighted sum computed in
 float32 (a float16 dot product overflows at 65504), and results come back in the input dtype.
-Values at keys that no query may attend (padding) are zeroed, so a NaN or inf there never
-reaches an output. A NaN at a key that some query may attend is data, not padding: it reaches
+Keys and values at positions no query may attend (padding) are zeroed, so a NaN or inf there
+never reaches an output. A NaN at a key that some query may attend is data, not padding: it reaches
 the queries that attend it and, through 0 * NaN = NaN, the other queries of the same head too,
 exactly as in `torch.nn.functional.scaled_dot_product_attention`.
 """
@@ -33,7 +33,7 @@ from transformer_lens.HookedRootModule import HookedRootModule
 from transformer_course.masking import check_mask, fill_masked, masked_softmax, upcast
 
 __all__ = [
-    "attention_scores", "scaled_dot_product_attention", "validate_qkv", "zero_unseen_values", "MultiHeadAttention"
+    "attention_scores", "scaled_dot_product_attention", "validate_qkv", "zero_unseen", "MultiHeadAttention"
 ]
 
 
@@ -92,15 +92,15 @@ def attention_scores(
     return einops.einsum(q, upcast(k), "... q_pos d_head, ... k_pos d_head -> ... q_pos k_pos")
 
 
-def zero_unseen_values(v: Float[Tensor, "... k_pos d_v"], mask: Bool[Tensor, "... q_pos k_pos"] | None) -> Float[Tensor, "... k_pos d_v"]:
-    """`v` with zeros at the keys no query may attend (padding), so a NaN there cannot leak.
+def zero_unseen(t: Float[Tensor, "... k_pos d"], mask: Bool[Tensor, "... q_pos k_pos"] | None) -> Float[Tensor, "... k_pos d"]:
+    """Keys or values `t` with zeros at the positions no query may attend (padding).
 
     Their weight is already 0, but 0 * NaN = NaN: without this, one NaN in a padded position
-    would turn every output of the row into NaN.
+    would turn every output of the sequence into NaN.
     """
     if mask is None:
-        return v
-    return v.masked_fill(~mask.any(dim=-2)[..., None], 0.0)
+        return t
+    return t.masked_fill(~mask.any(dim=-2)[..., None], 0.0)
 
 
 def scaled_dot_product_attention(
@@ -117,7 +117,7 @@ def scaled_dot_product_attention(
     """
     validate_qkv(q, k, v, mask)
     pattern = masked_softmax(attention_scores(q, k), mask)
-    v = upcast(zero_unseen_values(v, mask))
+    v = upcast(zero_unseen(v, mask))
     out = einops.einsum(pattern, v, "... q_pos k_pos, ... k_pos d_v -> ... q_pos d_v")
     return out.to(q.dtype), pattern.to(q.dtype)
 
@@ -223,7 +223,7 @@ class MultiHeadAttention(HookedRootModule):
         # Heads become a batch dimension: (batch, head, pos, d_head).
         q, k, v = (einops.rearrange(t, "batch pos head d_head -> batch head pos d_head") for t in (q, k, v))
         validate_qkv(q, k, v, mask)
-        v = zero_unseen_values(v, mask)
+        k, v = zero_unseen(k, mask), zero_unseen(v, mask)
 
         if self.use_fast_path:
             z = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
