@@ -6,9 +6,13 @@ Tolerance: token ids are integers, so every comparison with a reference is exact
 from __future__ import annotations
 
 import json
+import os
 
+import numpy as np
 import pytest
+import regex
 import tokenizers
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from tokenizers import decoders, models, pre_tokenizers, trainers
@@ -288,5 +292,162 @@ def test_from_huggingface_rejects_prefix_space(hf_regex: tokenizers.Tokenizer) -
 def test_load_rejects_other_json(tmp_path) -> None:
     path = tmp_path / "other.json"
     path.write_text('{"model": {}}')
-    with pytest.raises(ValueError, match="path: expected"):
+    with pytest.raises(ValueError, match=r"path: expected .* got None in '.*other.json'"):
         BPETokenizer.load(path)
+
+
+# --- loaders check what they read (file name and field in every error) -----------------------
+
+
+def _first_merge_of_two_merged_tokens(state: dict) -> list[int]:
+    return next(m for m in state["merges"] if m[0] >= 256 or m[1] >= 256)
+
+
+def _hello_becomes_allo(state: dict) -> None:
+    """The vocabulary says one thing and the merges another: 'hello' would decode to 'allo'."""
+    left, right, new_id = _first_merge_of_two_merged_tokens(state)
+    state["vocab"][str(new_id)] = (b"a" + bytes.fromhex(state["vocab"][str(new_id)])[1:]).hex()
+
+
+CORRUPTIONS = {
+    "unknown version": (lambda st: st.update(version=2), "field 'version': expected 1 .* got 2"),
+    "version as string": (lambda st: st.update(version="1"), "field 'version': expected the version 1, got str"),
+    "missing merges": (lambda st: st.pop("merges"), "field 'merges': missing"),
+    "vocab as list": (lambda st: st.update(vocab=list(st["vocab"].values())), "field 'vocab': expected an object"),
+    "vocab not hex": (lambda st: st["vocab"].update({"5": "zz"}), r"field 'vocab': expected a decimal id .* '5': 'zz'"),
+    "vocab id not decimal": (lambda st: st["vocab"].update({"0x5": "61"}), r"field 'vocab': .* '0x5'"),
+    "vocab id out of range": (lambda st: st["vocab"].update({"99999": "61"}), r"vocab: expected ids 0\.\.\d+ .* got id 99999"),
+    "merge id as string": (lambda st: st["merges"][0].__setitem__(2, "256"), r"field 'merges': .* at index 0"),
+    "merge of a missing id": (lambda st: st["merges"][0].__setitem__(0, 99999), "merges: expected a pair of ids in the vocabulary"),
+    "merged bytes disagree": (_hello_becomes_allo, "merges: merge .* disagrees with vocab: expected the bytes"),
+    "special token id moved": (lambda st: st["special_tokens"].update({EOT: 5}), "special_tokens: .* has id 5, but vocab has"),
+    "special tokens as list": (lambda st: st.update(special_tokens=[EOT]), "field 'special_tokens': expected an object"),
+    "pattern not a string": (lambda st: st.update(pattern=3), "field 'pattern': expected a regular expression or null, got int"),
+    "pattern not a regex": (lambda st: st.update(pattern="(unclosed"), "pattern: expected a valid regular expression"),
+}
+
+
+@pytest.mark.parametrize("name", CORRUPTIONS)
+def test_load_refuses_inconsistent_files_naming_file_and_field(small_bpe: BPETokenizer, tmp_path, name: str) -> None:
+    corrupt, message = CORRUPTIONS[name]
+    path = tmp_path / "bpe.json"
+    small_bpe.save(path)
+    state = json.loads(path.read_text())
+    corrupt(state)
+    path.write_text(json.dumps(state))
+    with pytest.raises(ValueError, match=rf"path: '{regex.escape(str(path))}' is not a valid tokenizer file: {message}"):
+        BPETokenizer.load(path)
+
+
+def test_load_names_the_file_for_json_and_unicode_errors(tmp_path) -> None:
+    truncated, binary = tmp_path / "truncated.json", tmp_path / "binary.json"
+    truncated.write_text('{"format": "transformer_course.bpe", "vocab": {')
+    binary.write_bytes(b'{"format": "\xff\xfe"}')
+    with pytest.raises(ValueError, match=r"path: '.*truncated.json' is not valid JSON: .* line 1 column"):
+        BPETokenizer.load(truncated)
+    with pytest.raises(ValueError, match=r"path: '.*binary.json' is not UTF-8 text: .* position 12"):
+        BPETokenizer.load(binary)
+
+
+def _gpt2_files(hf: tokenizers.Tokenizer, folder) -> tuple:
+    hf.model.save(str(folder))
+    return folder / "vocab.json", folder / "merges.txt"
+
+
+def test_from_gpt2_files_refuses_ids_written_as_strings(hf_regex: tokenizers.Tokenizer, tmp_path) -> None:
+    vocab_json, merges_txt = _gpt2_files(hf_regex, tmp_path)
+    vocab = json.loads(vocab_json.read_text())
+    vocab["Ġthe"] = str(vocab["Ġthe"])
+    vocab_json.write_text(json.dumps(vocab))
+    with pytest.raises(ValueError, match=r"vocab_json: expected integer ids in '.*vocab.json', got '\d+' for the entry 'Ġthe'"):
+        BPETokenizer.from_gpt2_files(vocab_json, merges_txt)
+    vocab_json.write_text("[1, 2")
+    with pytest.raises(ValueError, match=r"vocab_json: '.*vocab.json' is not valid JSON"):
+        BPETokenizer.from_gpt2_files(vocab_json, merges_txt)
+    vocab_json.write_text(json.dumps({char: b for b, char in bytes_to_unicode().items()}))
+    merges_txt.write_bytes(b"#version: 0.2\n\xc3 \xa9\n")
+    with pytest.raises(ValueError, match=r"merges_txt: '.*merges.txt' is not UTF-8 text"):
+        BPETokenizer.from_gpt2_files(vocab_json, merges_txt)
+
+
+def test_constructor_refuses_ids_outside_the_vocabulary() -> None:
+    vocab = {b: bytes([b]) for b in range(256)}
+    with pytest.raises(ValueError, match=r"vocab: expected ids 0\.\.256 .* got id 300"):
+        BPETokenizer({**vocab, 300: b"ab"}, {(97, 98): 300})
+    with pytest.raises(ValueError, match="merges: expected each merge to create a new id, got 257 twice"):
+        BPETokenizer({**vocab, 256: b"aa", 257: b"aaa"}, {(97, 97): 256, (256, 97): 257, (97, 256): 257})
+
+
+# --- writes are atomic ----------------------------------------------------------------------
+
+
+def test_save_is_atomic(small_bpe: BPETokenizer, tmp_path, monkeypatch) -> None:
+    path = tmp_path / "bpe.json"
+    path.write_text("the user's previous tokenizer")
+
+    def crash(*args):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(os, "replace", crash)
+    with pytest.raises(OSError, match="disk full"):
+        small_bpe.save(path)
+    assert path.read_text() == "the user's previous tokenizer"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bpe.json"]  # no temporary file left
+    monkeypatch.undo()
+    small_bpe.save(path)
+    assert BPETokenizer.load(path).vocab == small_bpe.vocab
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bpe.json"]
+
+
+# --- no silent contract breaks --------------------------------------------------------------
+
+PATTERNS = [r"\w+", r"[a-z]", r"(a)|(b)", r"x*", "", r"\s", r"(?=a)", r"\d+|\p{L}+", "é+", GPT2_SPLIT_PATTERN]
+literal_patterns = st.lists(st.text(min_size=1, max_size=3), min_size=1, max_size=3).map(
+    lambda pieces: "|".join(regex.escape(piece) for piece in pieces)
+)
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    pattern=st.one_of(st.sampled_from(PATTERNS), literal_patterns),
+    training=st.text(max_size=40),
+    text=st.text(max_size=40),
+)
+def test_round_trip_any_text_any_pattern(pattern: str, training: str, text: str) -> None:
+    """Text a pattern does not match is kept as chunks of its own, never dropped."""
+    tokenizer = BPETokenizer.train(training + "hello hello world", 280, pattern=pattern, special_tokens=[EOT])
+    assert tokenizer.decode(tokenizer.encode(text)) == text
+    assert tokenizer.decode(tokenizer.encode(text + EOT + text)) == text + EOT + text
+
+
+def test_pattern_that_matches_nothing_keeps_the_text() -> None:
+    tokenizer = BPETokenizer.train("aaa bbb aaa", 260, pattern=r"a+")
+    assert tokenizer.decode(tokenizer.encode("aaa bbb!")) == "aaa bbb!"
+    assert tokenizer.merges  # merges are still learned inside the kept chunks
+
+
+def test_bad_patterns_and_special_tokens_are_refused() -> None:
+    with pytest.raises(ValueError, match=r"pattern: expected a valid regular expression, got '\(a'"):
+        BPETokenizer.train("hello", 260, pattern="(a")
+    with pytest.raises(TypeError, match="pattern: expected a regular expression str or None, got bytes"):
+        BPETokenizer.train("hello", 260, pattern=rb"\w+")
+    with pytest.raises(TypeError, match=r"special_tokens: expected an iterable of strings such as \['<eos>'\], got '<eos>'"):
+        BPETokenizer.train("hello", 260, special_tokens="<eos>")
+    with pytest.raises(TypeError, match="special_tokens: expected an iterable of strings"):
+        BPETokenizer.train("hello", 260, special_tokens=5)
+
+
+def test_lone_surrogate_in_training_text_names_text() -> None:
+    with pytest.raises(ValueError, match=r"text: expected a string UTF-8 can encode.*'\\udc80' at index 1"):
+        BPETokenizer.train("a\udc80b", 260)
+
+
+def test_decode_accepts_numpy_and_tensor_integers(small_bpe: BPETokenizer) -> None:
+    ids = small_bpe.encode("To be, or not")
+    for given_ids in (np.array(ids), [np.int64(i) for i in ids], torch.tensor(ids), np.array(ids, dtype=np.int32)):
+        assert small_bpe.decode(given_ids) == "To be, or not"
+    chars = CharTokenizer("abc")
+    assert chars.decode(np.array([2, 0])) == "ca"
+    for bad in (True, np.True_, torch.tensor(True), np.float64(1.0)):
+        with pytest.raises(ValueError, match="ids: expected token ids in the vocabulary .* at position 0"):
+            small_bpe.decode([bad])
