@@ -169,3 +169,23 @@ def test_bad_arguments_have_clear_errors():
         block(torch.randn(3, 8))
     with pytest.raises(ValueError, match=r"x: expected last dim d_model=8, got 5"):
         MLP(8, 32)(torch.randn(4, 5))
+    with pytest.raises(ValueError, match=r"resid: expected at least one position, got shape \(2, 0, 8\)"):
+        block(torch.randn(2, 0, 8))
+    with pytest.raises(ValueError, match=r"x: expected dtype torch.float32 \(the dtype of the weights\), got torch.float64"):
+        block(torch.randn(2, 3, 8, dtype=torch.float64))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_precision_block_with_a_large_residual_stream(dtype):
+    """A residual stream of size ~1000 (where float16 squares overflow): what attention and the
+    MLP add is finite and close to what the float64 block adds."""
+    torch.manual_seed(0)
+    block = TransformerBlock(D_MODEL, N_HEADS, D_HEAD, D_MLP).double()
+    randomize_(block, torch.Generator().manual_seed(1))
+    x = 1000 * torch.randn(2, 6, D_MODEL, dtype=torch.float64)
+    _, expected = block.run_with_cache(x)
+    _, actual = block.to(dtype).run_with_cache(x.to(dtype))
+    for name in ("hook_attn_out", "hook_mlp_out", "hook_resid_post"):
+        assert actual[name].dtype == dtype and torch.isfinite(actual[name]).all()
+        scale = expected[name].abs().max().item()
+        torch.testing.assert_close(actual[name].double(), expected[name], atol=4 * torch.finfo(dtype).eps * scale, rtol=0)
