@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -16,7 +17,9 @@ from transformer_course.encoder_decoder import (
     greedy_decode,
     label_smoothed_cross_entropy,
     sinusoidal_positional_encoding,
+    translate,
 )
+from transformer_course.tokenization import BPETokenizer
 
 PAD, BOS, EOS = 0, 1, 2
 
@@ -256,3 +259,81 @@ def test_beam_search_finds_a_better_sequence_than_greedy():
     src = torch.tensor([[5]])
     assert greedy_decode(TwoPaths(), src, bos_id=BOS, eos_id=EOS, max_len=3)[0][0] == 5
     assert beam_search(TwoPaths(), src, bos_id=BOS, eos_id=EOS, max_len=3, beam_size=2) == [[6]]
+
+
+# ---- bad input by kind ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.uint8, torch.bool, torch.float16])
+def test_token_tensors_of_a_non_index_dtype_are_refused(dtype):
+    """uint8 and bool tensors would index W_E as a boolean mask, not as ids."""
+    model = EncoderDecoderTransformer(small_config())
+    src, tgt = batch_with_padding()
+    with pytest.raises(ValueError, match=rf"src: expected an integer tensor \(int64, int32, ...\) .* got {dtype} tensor"):
+        model(src.to(dtype), tgt)
+    with pytest.raises(ValueError, match=rf"tgt: expected an integer tensor .* got {dtype} tensor"):
+        model(src, tgt.to(dtype))
+
+
+def test_int32_tokens_give_the_same_logits():
+    model = EncoderDecoderTransformer(small_config())
+    src, tgt = batch_with_padding()
+    torch.testing.assert_close(model(src.int(), tgt.int()), model(src, tgt), atol=0, rtol=0)
+
+
+def test_zero_length_tokens_are_named():
+    model = EncoderDecoderTransformer(small_config())
+    src, tgt = batch_with_padding()
+    with pytest.raises(ValueError, match=r"tgt: expected at least one position, got shape \(3, 0\)"):
+        model(src, tgt[:, :0])
+    with pytest.raises(ValueError, match=r"src: expected at least one position, got shape \(3, 0\)"):
+        model(src[:, :0], tgt)
+
+
+@pytest.mark.parametrize("decode", [greedy_decode, beam_search])
+def test_special_ids_outside_the_vocabulary_are_refused(decode):
+    """An eos_id the model cannot emit would make every row run on to max_len."""
+    model = EncoderDecoderTransformer(small_config())
+    src, _ = batch_with_padding()
+    with pytest.raises(ValueError, match=r"eos_id: expected an int id in \[0, 19\), got 19"):
+        decode(model, src, bos_id=BOS, eos_id=19, max_len=5)
+    with pytest.raises(ValueError, match=r"bos_id: expected an int id in \[0, 19\), got -1"):
+        decode(model, src, bos_id=-1, eos_id=EOS, max_len=5)
+    with pytest.raises(ValueError, match=r"eos_id: .* got True"):
+        decode(model, src, bos_id=BOS, eos_id=True, max_len=5)
+    assert len(decode(model, src, bos_id=np.int64(BOS), eos_id=np.int64(EOS), max_len=3)) == 3
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (dict(pad_id=19), r"pad_id: expected an int id in \[0, 19\), got 19"),
+        (dict(pad_id=1.5), r"pad_id: expected an int id .* got 1.5"),
+        (dict(layer_norm_eps=0.0), "eps: expected a finite number"),
+        (dict(act_fn="swish"), "act_fn: expected one of"),
+    ],
+)
+def test_config_is_validated_before_building(overrides, message):
+    with pytest.raises(ValueError, match=message):
+        small_config(**overrides)
+
+
+def _translation_setup():
+    tokenizer = BPETokenizer.train("hola mundo hello world " * 5, 270, special_tokens=["<pad>", "<s>", "</s>"])
+    vocab = tokenizer.vocab_size
+    model = EncoderDecoderTransformer(small_config(src_vocab=vocab, tgt_vocab=vocab, pad_id=tokenizer.special_tokens["<pad>"]))
+    return model, tokenizer
+
+
+def test_translate_refuses_bad_settings_instead_of_guessing():
+    model, tokenizer = _translation_setup()
+    with pytest.raises(ValueError, match=r"max_len: expected an int in \[1, 32\] .* got 0"):
+        translate(model, ["hello"], tokenizer, max_len=0)
+    with pytest.raises(ValueError, match="batch_size: expected a positive int, got 0"):
+        translate(model, ["hello"], tokenizer, batch_size=0)
+    plain = BPETokenizer.train("hello", 260)
+    with pytest.raises(ValueError, match=r"src_tokenizer: expected the special tokens \['</s>'\], missing \['</s>'\]"):
+        translate(model, ["hello"], plain, tokenizer)
+    with pytest.raises(ValueError, match=r"tgt_tokenizer: .* missing \['<s>', '</s>'\]"):
+        translate(model, ["hello"], tokenizer, plain)
+    assert len(translate(model, ["hello", "hola"], tokenizer, max_len=3)) == 2

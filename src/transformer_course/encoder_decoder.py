@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from numbers import Integral
 from typing import Any
 
 import torch
@@ -32,8 +33,8 @@ TOKEN_DTYPES = (torch.int8, torch.int16, torch.int32, torch.int64)
 
 
 def check_token_id(name: str, value: Any, vocab: int) -> None:
-    """Raise a ValueError naming `name` unless `value` is an int id in [0, vocab)."""
-    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < vocab:
+    """Raise a ValueError naming `name` unless `value` is an integer id in [0, vocab)."""
+    if isinstance(value, bool) or not isinstance(value, Integral) or not 0 <= value < vocab:
         raise ValueError(f"{name}: expected an int id in [0, {vocab}), got {value!r}")
 
 
