@@ -33,7 +33,11 @@ from transformer_lens.HookedRootModule import HookedRootModule
 from transformer_course.masking import check_mask, fill_masked, masked_softmax, upcast
 
 __all__ = [
-    "attention_scores", "scaled_dot_product_attention", "validate_qkv", "zero_unseen", "MultiHeadAttention"
+    "attention_scores",
+    "scaled_dot_product_attention",
+    "validate_qkv",
+    "zero_unseen",
+    "MultiHeadAttention",
 ]
 
 
@@ -92,7 +96,9 @@ def attention_scores(
     return einops.einsum(q, upcast(k), "... q_pos d_head, ... k_pos d_head -> ... q_pos k_pos")
 
 
-def zero_unseen(t: Float[Tensor, "... k_pos d"], mask: Bool[Tensor, "... q_pos k_pos"] | None) -> Float[Tensor, "... k_pos d"]:
+def zero_unseen(
+    t: Float[Tensor, "... k_pos d"], mask: Bool[Tensor, "... q_pos k_pos"] | None
+) -> Float[Tensor, "... k_pos d"]:
     """Keys or values `t` with zeros at the positions no query may attend (padding).
 
     Their weight is already 0, but 0 * NaN = NaN: without this, one NaN in a padded position
@@ -190,8 +196,8 @@ class MultiHeadAttention(HookedRootModule):
         # Under autocast PyTorch casts inputs and weights itself.
         if t.dtype != self.W_Q.dtype and not torch.is_autocast_enabled(t.device.type):
             raise ValueError(
-                f"{name}: expected dtype {self.W_Q.dtype} (the dtype of the weights), got {t.dtype}; "
-                f"convert the input or the module with .to(dtype)"
+                f"{name}: expected dtype {self.W_Q.dtype} (the dtype of the weights), "
+                f"got {t.dtype}; convert the input or the module with .to(dtype)"
             )
         if batch is not None and t.shape[0] != batch:
             raise ValueError(f"{name}: expected batch size {batch} (the batch size of x), got {t.shape[0]}")

@@ -119,7 +119,9 @@ class TransformerBlock(HookedRootModule):
             raise ValueError(f"resid: expected shape (batch, pos, d_model={self.d_model}), got {got}")
         check_last_dim(resid, self.d_model, name="resid")
         if resid.shape[1] == 0:
-            raise ValueError(f"resid: expected at least one position, got shape {tuple(resid.shape)}")
+            raise ValueError(
+                f"resid: expected at least one position, got shape {tuple(resid.shape)}"
+            )
         mask = combine_masks(causal_mask(resid.shape[1], device=resid.device), mask)
 
         resid = self.hook_resid_pre(resid)

@@ -208,9 +208,14 @@ class EncoderDecoderTransformer(nn.Module):
     def _check_tokens(self, name: str, tokens: Any, vocab: int) -> None:
         if not isinstance(tokens, Tensor) or tokens.ndim != 2 or tokens.dtype not in TOKEN_DTYPES:
             got = f"{tokens.dtype} tensor of shape {tuple(tokens.shape)}" if isinstance(tokens, Tensor) else type(tokens).__name__
-            raise ValueError(f"{name}: expected an integer tensor (int64, int32, ...) of shape (batch, pos), got {got}")
+            raise ValueError(
+                f"{name}: expected an integer tensor (int64, int32, ...) of shape (batch, pos), "
+                f"got {got}"
+            )
         if tokens.shape[1] == 0:
-            raise ValueError(f"{name}: expected at least one position, got shape {tuple(tokens.shape)}")
+            raise ValueError(
+                f"{name}: expected at least one position, got shape {tuple(tokens.shape)}"
+            )
         if tokens.numel() and (tokens.min() < 0 or tokens.max() >= vocab):
             raise ValueError(f"{name}: expected ids in [0, {vocab}), got values from {tokens.min()} to {tokens.max()}")
         if tokens.shape[1] > self.cfg.max_len:
@@ -286,7 +291,11 @@ def label_smoothed_cross_entropy(
 
 
 def _check_decode_args(
-    model: EncoderDecoderTransformer, src: Tensor, max_len: int, bos_id: int | None = None, eos_id: int | None = None
+    model: EncoderDecoderTransformer,
+    src: Tensor,
+    max_len: int,
+    bos_id: int | None = None,
+    eos_id: int | None = None,
 ) -> None:
     if isinstance(max_len, bool) or not isinstance(max_len, int) or not 1 <= max_len <= model.cfg.max_len:
         raise ValueError(f"max_len: expected an int in [1, {model.cfg.max_len}] (the model's max_len), got {max_len!r}")
@@ -404,10 +413,15 @@ def translate(
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"batch_size: expected a positive int, got {batch_size!r}")
     tgt_tokenizer = tgt_tokenizer or src_tokenizer
-    for name, tokenizer, tokens in (("src_tokenizer", src_tokenizer, (EOS,)), ("tgt_tokenizer", tgt_tokenizer, (BOS, EOS))):
+    for name, tokenizer, tokens in (
+        ("src_tokenizer", src_tokenizer, (EOS,)),
+        ("tgt_tokenizer", tgt_tokenizer, (BOS, EOS)),
+    ):
         missing = [t for t in tokens if t not in getattr(tokenizer, "special_tokens", {})]
         if missing:
-            raise ValueError(f"{name}: expected the special tokens {list(tokens)}, missing {missing}")
+            raise ValueError(
+                f"{name}: expected the special tokens {list(tokens)}, missing {missing}"
+            )
     bos_id, eos_id = tgt_tokenizer.special_tokens[BOS], tgt_tokenizer.special_tokens[EOS]
     device = next(model.parameters()).device
     max_len = model.cfg.max_len if max_len is None else max_len

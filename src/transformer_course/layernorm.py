@@ -31,7 +31,7 @@ def check_last_dim(x: Tensor, d_model: int, name: str = "x") -> None:
 
 
 def check_norm_args(d_model: int, eps: float) -> None:
-    """Raise a clear error for a norm's constructor arguments: an int `d_model` >= 1, a finite `eps` > 0.
+    """Raise a clear error for a norm's constructor arguments: an int `d_model` >= 1, an `eps` > 0.
 
     With `eps=0` a constant vector has variance 0 and gives 0 / 0 = NaN, and so does an `eps` too
     small for float32 (the dtype half-precision inputs are computed in), which rounds to 0.
@@ -43,7 +43,8 @@ def check_norm_args(d_model: int, eps: float) -> None:
     if isinstance(eps, bool) or not isinstance(eps, Real):
         raise TypeError(f"eps: expected a number, got {type(eps).__name__} {eps!r}")
     if not math.isfinite(eps) or eps < torch.finfo(torch.float32).tiny:
-        raise ValueError(f"eps: expected a finite number >= {torch.finfo(torch.float32).tiny:.3g}, got {eps}")
+        smallest = torch.finfo(torch.float32).tiny
+        raise ValueError(f"eps: expected a finite number >= {smallest:.3g}, got {eps}")
 
 
 class LayerNorm(nn.Module):

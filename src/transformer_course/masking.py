@@ -20,7 +20,16 @@ import torch
 from jaxtyping import Bool, Float, Int
 from torch import Tensor
 
-__all__ = ["upcast", "check_mask", "check_length", "causal_mask", "padding_mask", "combine_masks", "fill_masked", "masked_softmax"]
+__all__ = [
+    "upcast",
+    "check_mask",
+    "check_length",
+    "causal_mask",
+    "padding_mask",
+    "combine_masks",
+    "fill_masked",
+    "masked_softmax",
+]
 
 
 def upcast(t: Tensor) -> Tensor:

@@ -233,15 +233,19 @@ def _compile_pattern(pattern: Any) -> regex.Pattern | None:
     if pattern is None:
         return None
     if not isinstance(pattern, str):
-        raise TypeError(f"pattern: expected a regular expression str or None, got {type(pattern).__name__}")
+        raise TypeError(
+            f"pattern: expected a regular expression str or None, got {type(pattern).__name__}"
+        )
     try:
         return regex.compile(pattern)
     except regex.error as exc:
-        raise ValueError(f"pattern: expected a valid regular expression, got {pattern!r} ({exc})") from None
+        raise ValueError(
+            f"pattern: expected a valid regular expression, got {pattern!r} ({exc})"
+        ) from None
 
 
 def split_chunks(text: str, split: regex.Pattern | None) -> list[str]:
-    """Cut `text` into the chunks merges never cross: the pattern's matches *and* the text between them.
+    """Cut `text` into the chunks merges never cross: the pattern's matches *and* the text between.
 
     Keeping the unmatched text means no pattern can drop characters, so `decode(encode(s)) == s`
     whatever the pattern (GPT-2's matches every character, so for it the two are the same).
@@ -261,31 +265,46 @@ def split_chunks(text: str, split: regex.Pattern | None) -> list[str]:
     return chunks
 
 
-def _check_tables(vocab: Mapping[int, bytes], merges: Mapping[Pair, int], special_tokens: Mapping[str, int]) -> None:
-    """Raise a clear error unless ids are 0..len(vocab)-1 and merges and special tokens agree with vocab."""
+def _check_tables(
+    vocab: Mapping[int, bytes], merges: Mapping[Pair, int], special_tokens: Mapping[str, int]
+) -> None:
+    """Raise a clear error unless ids are 0..len(vocab)-1 and merges and special tokens agree with
+    the vocabulary."""
     for i, token in vocab.items():
         if _as_id(i) is None or not 0 <= i < len(vocab):
-            raise ValueError(f"vocab: expected ids 0..{len(vocab) - 1} (one per token), got id {i!r}")
+            raise ValueError(
+                f"vocab: expected ids 0..{len(vocab) - 1} (one per token), got id {i!r}"
+            )
         if not isinstance(token, bytes) or not token:
             raise ValueError(f"vocab: expected non-empty bytes for id {i}, got {token!r}")
     created: set[int] = set()
     for rank, (pair, new_id) in enumerate(merges.items()):
         ids = (*pair, new_id) if isinstance(pair, tuple) and len(pair) == 2 else ()
         if not ids or any(_as_id(j) is None or j not in vocab for j in ids):
-            raise ValueError(f"merges: expected a pair of ids in the vocabulary and a new id, got {pair} -> {new_id}")
+            raise ValueError(
+                "merges: expected a pair of ids in the vocabulary and a new id, "
+                f"got {pair} -> {new_id}"
+            )
         if vocab[new_id] != vocab[pair[0]] + vocab[pair[1]]:
             raise ValueError(
                 f"merges: merge {rank} {pair} -> {new_id} disagrees with vocab: expected the bytes "
                 f"{vocab[pair[0]] + vocab[pair[1]]!r}, vocab has {vocab[new_id]!r}"
             )
         if new_id in created:
-            raise ValueError(f"merges: expected each merge to create a new id, got {new_id} twice (merge {rank})")
+            raise ValueError(
+                f"merges: expected each merge to create a new id, got {new_id} twice (merge {rank})"
+            )
         created.add(new_id)
     for token, i in special_tokens.items():
         if not isinstance(token, str) or not token or _as_id(i) is None or i not in vocab:
-            raise ValueError(f"special_tokens: expected non-empty strings with ids in the vocabulary, got {token!r}: {i!r}")
+            raise ValueError(
+                "special_tokens: expected non-empty strings with ids in the vocabulary, "
+                f"got {token!r}: {i!r}"
+            )
         if vocab[i] != token.encode("utf-8"):
-            raise ValueError(f"special_tokens: {token!r} has id {i}, but vocab has {vocab[i]!r} for that id")
+            raise ValueError(
+                f"special_tokens: {token!r} has id {i}, but vocab has {vocab[i]!r} for that id"
+            )
 
 
 def _read_json(path: Path, name: str) -> Any:
@@ -318,12 +337,16 @@ def _write_atomically(path: Path, text: str) -> None:
             os.unlink(tmp)
 
 
-def _load_field(state: dict[str, Any], name: str, kind: type | tuple[type, ...], expected: str) -> Any:
+def _load_field(
+    state: dict[str, Any], name: str, kind: type | tuple[type, ...], expected: str
+) -> Any:
+    """`state[name]`, or a ValueError naming the field unless it is there and of type `kind`."""
     if name not in state:
         raise ValueError(f"field {name!r}: missing")
     value = state[name]
     if isinstance(value, bool) or not isinstance(value, kind):
-        raise ValueError(f"field {name!r}: expected {expected}, got {type(value).__name__} {value!r:.60}")
+        got = f"{type(value).__name__} {value!r:.60}"
+        raise ValueError(f"field {name!r}: expected {expected}, got {got}")
     return value
 
 
@@ -429,7 +452,8 @@ class BPETokenizer(Tokenizer):
         split = _compile_pattern(pattern)
         if isinstance(special_tokens, (str, bytes)) or not isinstance(special_tokens, Iterable):
             raise TypeError(
-                f"special_tokens: expected an iterable of strings such as ['<eos>'], got {special_tokens!r}"
+                "special_tokens: expected an iterable of strings such as ['<eos>'], "
+                f"got {special_tokens!r}"
             )
         special_tokens = list(special_tokens)
         for token in special_tokens:
@@ -444,7 +468,8 @@ class BPETokenizer(Tokenizer):
                 f"got {vocab_size!r}"
             )
         pieces = regex.split(_special_pattern(special_tokens), text)[::2] if special_tokens else [text]
-        chunk_counts = Counter(chunk.encode("utf-8") for piece in pieces for chunk in split_chunks(piece, split))
+        chunks = (chunk for piece in pieces for chunk in split_chunks(piece, split))
+        chunk_counts = Counter(chunk.encode("utf-8") for chunk in chunks)
         merges = train_merges(chunk_counts, vocab_size - smallest)
         vocab = {b: bytes([b]) for b in range(256)}
         for (left, right), new_id in merges.items():
@@ -481,7 +506,8 @@ class BPETokenizer(Tokenizer):
     # saving and loading ----------------------------------------------------------------------
 
     def save(self, path: str | Path) -> None:
-        """Write the tokenizer as JSON (token bytes in hex), atomically: a crash leaves the old file."""
+        """Write the tokenizer as JSON (token bytes in hex), atomically: a crash keeps the old
+        file."""
         state = {
             "format": FILE_FORMAT,
             "version": FILE_VERSION,
@@ -501,8 +527,8 @@ class BPETokenizer(Tokenizer):
         if not isinstance(state, dict) or state.get("format") != FILE_FORMAT:
             found = state.get("format") if isinstance(state, dict) else type(state).__name__
             raise ValueError(
-                f"path: expected a {FILE_FORMAT!r} JSON file written by BPETokenizer.save, got {found!r} "
-                f"in {str(path)!r}"
+                f"path: expected a {FILE_FORMAT!r} JSON file written by BPETokenizer.save, "
+                f"got {found!r} in {str(path)!r}"
             )
         try:
             return cls._from_state(state)
@@ -513,7 +539,10 @@ class BPETokenizer(Tokenizer):
     def _from_state(cls, state: dict[str, Any]) -> BPETokenizer:
         version = _load_field(state, "version", int, f"the version {FILE_VERSION}")
         if version != FILE_VERSION:
-            raise ValueError(f"field 'version': expected {FILE_VERSION} (the only version this code reads), got {version}")
+            raise ValueError(
+                f"field 'version': expected {FILE_VERSION} (the only version this code reads), "
+                f"got {version}"
+            )
         vocab = {}
         for key, token in _load_field(state, "vocab", dict, "an object {id: hex bytes}").items():
             try:
@@ -521,15 +550,21 @@ class BPETokenizer(Tokenizer):
                 if str(i) != key:
                     raise ValueError
             except (TypeError, ValueError):
-                raise ValueError(f"field 'vocab': expected a decimal id and hex bytes, got {key!r}: {token!r}") from None
+                raise ValueError(
+                    f"field 'vocab': expected a decimal id and hex bytes, got {key!r}: {token!r}"
+                ) from None
             vocab[i] = token_bytes
         merges = {}
-        for rank, merge in enumerate(_load_field(state, "merges", list, "a list of [left, right, new_id]")):
-            if not isinstance(merge, list) or len(merge) != 3 or any(_as_id(j) is None for j in merge):
-                raise ValueError(f"field 'merges': expected [left, right, new_id] ids, got {merge!r} at index {rank}")
+        listed = _load_field(state, "merges", list, "a list of [left, right, new_id]")
+        for rank, merge in enumerate(listed):
+            if not isinstance(merge, list) or len(merge) != 3 or None in map(_as_id, merge):
+                raise ValueError(
+                    "field 'merges': expected [left, right, new_id] ids, "
+                    f"got {merge!r} at index {rank}"
+                )
             merges[(merge[0], merge[1])] = merge[2]
-        if len(merges) != len(state["merges"]):
-            raise ValueError("field 'merges': expected each pair to be merged once, got a pair twice")
+        if len(merges) != len(listed):
+            raise ValueError("field 'merges': expected each pair to be merged once, got one twice")
         special_tokens = _load_field(state, "special_tokens", dict, "an object {token: id}")
         pattern = _load_field(state, "pattern", (str, type(None)), "a regular expression or null")
         return cls(vocab, merges, pattern=pattern, special_tokens=special_tokens)
@@ -545,14 +580,19 @@ class BPETokenizer(Tokenizer):
         """
         vocab = _read_json(Path(vocab_json), "vocab_json")
         if not isinstance(vocab, dict):
-            raise ValueError(f"vocab_json: expected an object {{token: id}} in {str(vocab_json)!r}, got {type(vocab).__name__}")
+            raise ValueError(
+                f"vocab_json: expected an object {{token: id}} in {str(vocab_json)!r}, "
+                f"got {type(vocab).__name__}"
+            )
         for token, i in vocab.items():
             if _as_id(i) is None:
                 raise ValueError(
-                    f"vocab_json: expected integer ids in {str(vocab_json)!r}, got {i!r} for the entry {token!r}"
+                    f"vocab_json: expected integer ids in {str(vocab_json)!r}, "
+                    f"got {i!r} for the entry {token!r}"
                 )
         merges = []
-        for number, line in enumerate(_read_text(Path(merges_txt), "merges_txt").splitlines(), start=1):
+        lines = _read_text(Path(merges_txt), "merges_txt").splitlines()
+        for number, line in enumerate(lines, start=1):
             if line.startswith("#version") or not line.strip():
                 continue
             parts = line.split(" ")
