@@ -169,9 +169,9 @@ def test_bad_arguments_have_clear_errors():
         block(torch.randn(3, 8))
     with pytest.raises(ValueError, match=r"x: expected last dim d_model=8, got 5"):
         MLP(8, 32)(torch.randn(4, 5))
-    with pytest.raises(ValueError, match=r"resid: expected at least one position, got shape \(2, 0, 8\)"):
+    with pytest.raises(ValueError, match=r"resid: expected at least one position, got shape"):
         block(torch.randn(2, 0, 8))
-    with pytest.raises(ValueError, match=r"x: expected dtype torch.float32 \(the dtype of the weights\), got torch.float64"):
+    with pytest.raises(ValueError, match=r"x: expected dtype torch.float32 \(the dtype of the"):
         block(torch.randn(2, 3, 8, dtype=torch.float64))
 
 
@@ -188,4 +188,5 @@ def test_half_precision_block_with_a_large_residual_stream(dtype):
     for name in ("hook_attn_out", "hook_mlp_out", "hook_resid_post"):
         assert actual[name].dtype == dtype and torch.isfinite(actual[name]).all()
         scale = expected[name].abs().max().item()
-        torch.testing.assert_close(actual[name].double(), expected[name], atol=4 * torch.finfo(dtype).eps * scale, rtol=0)
+        tolerance = 4 * torch.finfo(dtype).eps * scale
+        torch.testing.assert_close(actual[name].double(), expected[name], atol=tolerance, rtol=0)

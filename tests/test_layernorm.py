@@ -233,22 +233,28 @@ def test_property_norms_as_accurate_as_torch_in_every_dtype(dtype, offset, log_s
         ln.w.copy_(w), ln.b.copy_(b), rms.w.copy_(w)
     w, b = w.to(dtype), b.to(dtype)  # the weights the modules hold, rounded to dtype
     cases = [
-        (ln(x), F.layer_norm(x, (D,), w, b, 1e-5), F.layer_norm(x.double(), (D,), w.double(), b.double(), 1e-5)),
+        (
+            ln(x),
+            F.layer_norm(x, (D,), w, b, 1e-5),
+            F.layer_norm(x.double(), (D,), w.double(), b.double(), 1e-5),
+        ),
         (rms(x), F.rms_norm(x, (D,), w, 1e-6), F.rms_norm(x.double(), (D,), w.double(), 1e-6)),
     ]
     compute = torch.promote_types(dtype, torch.float32)
-    conditioning = 8 * _ulp(compute) * (abs(offset) + 10**log_scale) / 10**log_scale * w.abs().max().item()
+    scale = 10**log_scale
+    conditioning = 8 * _ulp(compute) * (abs(offset) + scale) / scale * w.abs().max().item()
     for ours, torch_same_dtype, exact in cases:
         assert ours.dtype == dtype and torch.isfinite(ours).all()
         ours_error = (ours.double() - exact).abs().max().item()
         torch_error = (torch_same_dtype.double() - exact).abs().max().item()
-        assert ours_error <= max(torch_error, conditioning) + 4 * _ulp(dtype) * (1 + exact.abs().max().item())
+        rounding = 4 * _ulp(dtype) * (1 + exact.abs().max().item())
+        assert ours_error <= max(torch_error, conditioning) + rounding
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("cls", [LayerNorm, RMSNorm])
 def test_half_precision_input_beyond_256_is_normalised(cls, dtype):
-    """In float16, x**2 overflows once |x| > 256: the old output was `b` (LayerNorm) or 0 (RMSNorm)."""
+    """In float16, x**2 overflows once |x| > 256, once giving `b` (LayerNorm) or 0 (RMSNorm)."""
     torch.manual_seed(0)
     x = (300 * torch.randn(4, D, dtype=torch.float64)).to(dtype)
     expected = cls(D).double()(x.double())
