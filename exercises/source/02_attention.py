@@ -27,13 +27,13 @@ from torch import Tensor, nn
 from transformer_lens.hook_points import HookPoint
 from transformer_lens.HookedRootModule import HookedRootModule
 
-from transformer_course.attention import validate_qkv
+from transformer_course.attention import validate_qkv, zero_unseen
 from transformer_course.checks.attention import (
     check_attention_scores,
     check_multi_head_attention,
     check_scaled_dot_product_attention,
 )
-from transformer_course.masking import causal_mask, fill_masked, masked_softmax
+from transformer_course.masking import causal_mask, fill_masked, masked_softmax, upcast
 from transformer_course.runtime import describe, seed_everything
 
 seed_everything(0)

@@ -21,7 +21,7 @@ from torch import Tensor
 
 from transformer_course.attention import MultiHeadAttention
 from transformer_course.checks.masking import check_causal_mask, check_masked_softmax, check_padding_mask
-from transformer_course.masking import check_length, combine_masks, fill_masked
+from transformer_course.masking import check_length, check_mask, combine_masks, fill_masked, upcast
 from transformer_course.runtime import describe, seed_everything
 
 seed_everything(0)

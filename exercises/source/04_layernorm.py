@@ -20,6 +20,7 @@ from transformer_lens.hook_points import HookPoint
 
 from transformer_course.checks.layernorm import check_layernorm, check_rmsnorm
 from transformer_course.layernorm import check_last_dim, check_norm_args
+from transformer_course.masking import upcast
 from transformer_course.runtime import describe, seed_everything
 
 seed_everything(0)
