@@ -229,10 +229,11 @@ class MultiHeadAttention(HookedRootModule):
         # Heads become a batch dimension: (batch, head, pos, d_head).
         q, k, v = (einops.rearrange(t, "batch pos head d_head -> batch head pos d_head") for t in (q, k, v))
         validate_qkv(q, k, v, mask)
-        k, v = zero_unseen(k, mask), zero_unseen(v, mask)
+        v = zero_unseen(v, mask)
 
         if self.use_fast_path:
-            z = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+            # The fused kernel adds -inf to masked scores, and NaN + -inf is NaN: zero k as well.
+            z = F.scaled_dot_product_attention(q, zero_unseen(k, mask), v, attn_mask=mask)
             if mask is not None:  # rows with no allowed key are zero, whichever kernel ran
                 z = z.masked_fill(~mask.any(dim=-1, keepdim=True), 0.0)
         else:
