@@ -12,10 +12,10 @@ Masks are boolean with True = may attend (see `transformer_course.masking`).
 
 Numerics: float16 and bfloat16 inputs get their scores, softmax and weighted sum computed in
 float32 (a float16 dot product overflows at 65504), and results come back in the input dtype.
-Keys and values at positions no query may attend (padding) are zeroed, so a NaN or inf there
-never reaches an output. A NaN at a key that some query may attend is data, not padding: it reaches
-the queries that attend it and, through 0 * NaN = NaN, the other queries of the same head too,
-exactly as in `torch.nn.functional.scaled_dot_product_attention`.
+Values (and, for the fused kernel, keys) at positions no query may attend (padding) are zeroed,
+so a NaN or inf there never reaches an output. A NaN at a key that some query may attend is
+data, not padding: it reaches the queries that attend it and, through 0 * NaN = NaN, the other
+queries of the same head too, as in `torch.nn.functional.scaled_dot_product_attention`.
 """
 
 from __future__ import annotations
@@ -99,7 +99,7 @@ def attention_scores(
 def zero_unseen(
     t: Float[Tensor, "... k_pos d"], mask: Bool[Tensor, "... q_pos k_pos"] | None
 ) -> Float[Tensor, "... k_pos d"]:
-    """Keys or values `t` with zeros at the positions no query may attend (padding).
+    """Values (or keys) `t` with zeros at the positions no query may attend (padding).
 
     Their weight is already 0, but 0 * NaN = NaN: without this, one NaN in a padded position
     would turn every output of the sequence into NaN.

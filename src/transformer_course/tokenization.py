@@ -35,6 +35,7 @@ __all__ = [
     "encode_chunk",
     "get_pair_counts",
     "merge_pair",
+    "split_chunks",
     "train_merges",
 ]
 
