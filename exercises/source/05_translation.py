@@ -38,7 +38,7 @@ seed_everything(0)
 print(describe())
 
 # %% [markdown]
-# ## Exercise 1: sinusoidal positional encoding
+# ## Exercise 5.1: sinusoidal positional encoding
 #
 # Attention treats its input as a set, so the model needs to be told where each token is. The
 # paper adds a fixed vector to each position:
@@ -49,14 +49,17 @@ print(describe())
 # Even dimensions get the sine, odd dimensions the cosine, and the pair $(2i, 2i+1)$ shares one
 # frequency. Positions start at 0. Compute in float64 and convert to `dtype` at the end.
 
-# %% [exercise] transformer_course.encoder_decoder:sinusoidal_positional_encoding
-# hint: angles = position[:, None] / 10000 ** (torch.arange(0, d_model, 2) / d_model); put sin(angles) in pe[:, 0::2] and cos(angles) in pe[:, 1::2]
+# %% [exercise] transformer_course.encoder_decoder:sinusoidal_positional_encoding difficulty=2 importance=4 minutes=15
+# hint: Dimensions `2i` and `2i + 1` share one frequency, `1 / 10000 ** (2i / d_model)`; build the
+#   angle for every (position, i) at once by broadcasting a column against a row.
+# hint: Fill the even columns with the sine of the angles and the odd columns with the cosine,
+#   computing in float64 and converting at the end.
 
 # %% [check]
 check_positional_encoding(sinusoidal_positional_encoding)
 
 # %% [markdown]
-# ## Exercise 2: the scaled token embedding
+# ## Exercise 5.2: the scaled token embedding
 #
 # The embedding matrix `W_E` is initialised with standard deviation $1/\sqrt{d_\text{model}}$, so
 # each embedding vector has length about 1 while each positional vector has length about
@@ -64,14 +67,17 @@ check_positional_encoding(sinusoidal_positional_encoding)
 # the paper) puts the two on the same scale. Return
 # `dropout(W_E[tokens] * sqrt(d_model) + PE[:pos])`.
 
-# %% [exercise] transformer_course.encoder_decoder:TokenEmbedding blank=forward
-# hint forward: x = self.W_E[tokens] * math.sqrt(self.d_model); add sinusoidal_positional_encoding(tokens.shape[-1], self.d_model, dtype=x.dtype, device=x.device); apply self.dropout
+# %% [exercise] transformer_course.encoder_decoder:TokenEmbedding blank=forward difficulty=1 importance=4 minutes=10
+# hint: Look up the embeddings, scale them, add the positional encoding for as many positions as the
+#   input has, apply dropout.
+# hint: The scale is `math.sqrt(self.d_model)`; the encoding must match the embedding's dtype and
+#   device.
 
 # %% [check]
 check_token_embedding(TokenEmbedding)
 
 # %% [markdown]
-# ## Exercise 3: a decoder block
+# ## Exercise 5.3: a decoder block
 #
 # Three sublayers, each wrapped in dropout, a residual connection and a layer norm:
 #
@@ -84,14 +90,19 @@ check_token_embedding(TokenEmbedding)
 # With `norm="pre"` it comes before the sublayer: `x = x + dropout(sublayer(ln(x)))`.
 # `self.pre_norm` tells you which one to use.
 
-# %% [exercise] transformer_course.encoder_decoder:DecoderBlock blank=forward
-# hint forward: post-LN: x = self.ln1(x + self.dropout(self.self_attn(x, mask=tgt_mask))); then ln2 with self.cross_attn(x, context=memory, mask=src_mask); then ln3 with self.mlp(x)
+# %% [exercise] transformer_course.encoder_decoder:DecoderBlock blank=forward difficulty=3 importance=5 minutes=20
+# hint: Three sublayers in order: masked self-attention, cross-attention, MLP; each wrapped in
+#   dropout, a residual sum and a layer norm.
+# hint: Cross-attention takes its queries from the decoder and its keys and values from `memory`;
+#   which mask hides the source padding?
+# hint: `self.pre_norm` chooses `x = x + dropout(sublayer(ln(x)))` over `x = ln(x +
+#   dropout(sublayer(x)))`.
 
 # %% [check]
 check_decoder_block(DecoderBlock)
 
 # %% [markdown]
-# ## Exercise 4: label smoothing
+# ## Exercise 5.4: label smoothing
 #
 # Instead of a one-hot target, train against $(1-\varepsilon)\cdot\text{one\_hot} + \varepsilon/V$
 # (Szegedy et al., 2016; the paper uses $\varepsilon = 0.1$). The loss becomes
@@ -99,14 +110,17 @@ check_decoder_block(DecoderBlock)
 # little towards spreading probability, which hurts perplexity but helps BLEU. Positions whose
 # target is `ignore_index` (padding) must not count, not even in the average's denominator.
 
-# %% [exercise] transformer_course.encoder_decoder:label_smoothed_cross_entropy
-# hint: log_probs = logits.log_softmax(-1); nll = -log_probs.gather(-1, targets[..., None]); uniform = -log_probs.mean(-1); average (1 - s) * nll + s * uniform over the positions where targets != ignore_index
+# %% [exercise] transformer_course.encoder_decoder:label_smoothed_cross_entropy difficulty=3 importance=4 minutes=20
+# hint: Work with `log_softmax` of the logits. The loss mixes the negative log-likelihood of the
+#   target with the mean negative log-probability over the whole vocabulary.
+# hint: Weight them `1 - smoothing` and `smoothing`; then average over the positions whose target is
+#   not `ignore_index` only (count only those in the denominator).
 
 # %% [check]
 check_label_smoothing(label_smoothed_cross_entropy)
 
 # %% [markdown]
-# ## Exercise 5: greedy decoding
+# ## Exercise 5.5: greedy decoding
 #
 # Encode the source once. Start every row with `<s>`; at each step run the decoder on the tokens
 # so far, take the most likely next token at the last position and append it. A row is finished
@@ -114,8 +128,12 @@ check_label_smoothing(label_smoothed_cross_entropy)
 # row is finished or after `max_len` new tokens. Return the generated ids without `<s>` and
 # `</s>`.
 
-# %% [exercise] transformer_course.encoder_decoder:greedy_decode
-# hint: memory = model.encode(src); ys = a (batch, 1) tensor of bos_id; loop max_len times: next = model.decode(ys, memory, model.src_mask(src))[:, -1].argmax(-1); append; track which rows have produced eos_id; cut each row before its first eos_id
+# %% [exercise] transformer_course.encoder_decoder:greedy_decode difficulty=3 importance=5 minutes=25
+# hint: Encode once; start every row with `bos_id`; each step decodes everything generated so far
+#   and appends the most likely next token of the last position.
+# hint: Rows finish at different steps: remember which rows have produced `eos_id` (keep padding
+#   them) and stop when all have, or after `max_len` new tokens.
+# hint: Return one list per row: the generated ids without `bos_id`, cut before the first `eos_id`.
 
 # %% [check]
 check_greedy_decode(greedy_decode)

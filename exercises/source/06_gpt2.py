@@ -47,14 +47,16 @@ print(describe())
 # form the *residual stream*. Unlike the original transformer, GPT-2 does not multiply the token
 # embedding by $\sqrt{d_\text{model}}$.
 
-# %% [exercise] transformer_course.gpt2:Embed blank=forward
-# hint: Row t of W_E is the vector of token t: index W_E with the whole tokens tensor.
+# %% [exercise] transformer_course.gpt2:Embed blank=forward difficulty=1 importance=4 minutes=5
+# hint: Row `t` of `W_E` is the vector of token `t`: a lookup is indexing.
 
 # %% [check]
 check_embed(Embed)
 
-# %% [exercise] transformer_course.gpt2:PosEmbed blank=forward
-# hint: slice W_pos to the sequence length (tokens.shape[1]) and repeat it over the batch with einops.repeat.
+# %% [exercise] transformer_course.gpt2:PosEmbed blank=forward difficulty=1 importance=4 minutes=5
+# hint: Only the first `pos` rows of `W_pos` are used, and every sequence of the batch gets the same
+#   ones.
+# hint: Slice to `tokens.shape[1]`, then repeat over the batch (`einops.repeat`).
 
 # %% [check]
 check_pos_embed(PosEmbed)
@@ -66,9 +68,10 @@ check_pos_embed(PosEmbed)
 # `x @ W_U + b_U`. Write `__init__` too: `W_U` is `(d_model, d_vocab)` drawn from
 # $\mathcal N(0, \text{init\_range}^2)$, and the bias `b_U` starts at zero.
 
-# %% [exercise] transformer_course.gpt2:Unembed blank=__init__,forward
-# hint __init__: call super().__init__() and keep cfg, then create W_U and b_U as nn.Parameters: W_U with nn.init.normal_(std=cfg.init_range), b_U with torch.zeros.
-# hint forward: x @ W_U + b_U.
+# %% [exercise] transformer_course.gpt2:Unembed blank=__init__,forward difficulty=1 importance=4 minutes=10
+# hint: `__init__`: two parameters, `W_U` `(d_model, d_vocab)` drawn with std `cfg.init_range`, and
+#   a zero bias `b_U`.
+# hint: `forward` is one matrix product plus the bias.
 
 # %% [check]
 check_unembed(Unembed)
@@ -80,8 +83,11 @@ check_unembed(Unembed)
 # `gelu_new` (the tanh approximation of GELU), and projects back. `ACTIVATIONS[self.act_fn]`
 # is the activation function.
 
-# %% [exercise] transformer_course.blocks:MLP blank=forward
-# hint: widen with x @ W_in + b_in, apply ACTIVATIONS[self.act_fn], project back with @ W_out + b_out; pass the hidden activations through hook_pre and hook_post.
+# %% [exercise] transformer_course.blocks:MLP blank=forward difficulty=2 importance=4 minutes=10
+# hint: Widen to `d_mlp`, apply the activation, project back to `d_model`; biases on both
+#   projections.
+# hint: `hook_pre` sees the widened pre-activation, `hook_post` the activation's output.
+#   `ACTIVATIONS[self.act_fn]` is the activation function.
 
 # %% [check]
 check_mlp(MLP)
@@ -99,8 +105,9 @@ check_mlp(MLP)
 # %%
 from transformer_course.gpt2 import Embed, PosEmbed, Unembed
 
-# %% [exercise] transformer_course.gpt2:GPT2 blank=forward
-# hint: check_tokens(tokens, self.cfg); embed + pos_embed (through hook_embed and hook_pos_embed), dropout, then each block in turn, then ln_final, then unembed.
+# %% [exercise] transformer_course.gpt2:GPT2 blank=forward difficulty=2 importance=5 minutes=15
+# hint: Validate the tokens, embed them (token plus position, each through its hook), then dropout.
+# hint: Run the residual stream through every block in order, then `ln_final`, then `unembed`.
 
 # %% [check]
 check_gpt2_forward(GPT2)
@@ -113,8 +120,12 @@ check_gpt2_forward(GPT2)
 # (below 1 sharpens, above 1 flattens; 0 means always take the most likely token), keep only the
 # `top_k` largest if asked, sample from the softmax and append the sample.
 
-# %% [exercise] transformer_course.gpt2:generate
-# hint: loop max_new_tokens times: crop to the last n_ctx tokens, run the model, take logits[:, -1], argmax if temperature == 0, else divide by temperature, mask all but the top_k to -inf, torch.multinomial(softmax), torch.cat.
+# %% [exercise] transformer_course.gpt2:generate difficulty=3 importance=5 minutes=25
+# hint: Each step feeds at most the last `n_ctx` tokens and uses only the logits of the last
+#   position.
+# hint: Temperature 0 is the argmax. Otherwise divide the logits by the temperature; with `top_k`,
+#   forbid every logit below the k-th largest of its own row.
+# hint: Sample with `torch.multinomial` from the softmax, append, repeat `max_new_tokens` times.
 
 # %% [check]
 check_generate(generate)

@@ -2,13 +2,15 @@
 
 Each chapter's checkers live in `checks/<chapter>.py` and are built from the helpers here.
 A checker either prints one line saying the exercise passes, or raises `CheckFailure`
-with a targeted hint ("is eps inside the square root?"). Checkers never print tracebacks
-of the reference code: the message is about the learner's code.
+with a targeted hint ("is eps inside the square root?"). In a notebook a failed check shows
+its message alone, never the checker's code: the message is about the learner's code.
 """
 
 from __future__ import annotations
 
+import traceback
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -16,8 +18,27 @@ import torch
 __all__ = ["CheckFailure", "call", "expect", "expect_close", "passed"]
 
 
+CHECKERS = Path(__file__).resolve().parent
+
+
 class CheckFailure(AssertionError):
     """An exercise check failed; the message says what went wrong and hints at why."""
+
+    def _render_traceback_(self) -> list[str]:
+        """What IPython shows: the message and, if the learner's code crashed, the frames of
+        the learner's code that led there (never the checker's own frames)."""
+        lines = f"CheckFailure: {self}".splitlines()
+        cause = self.__cause__
+        if cause is not None:
+            frames = [
+                frame
+                for frame in traceback.extract_tb(cause.__traceback__)
+                if not Path(frame.filename).resolve().is_relative_to(CHECKERS)
+            ]
+            lines += ["", "Where your code raised it:"]
+            lines += "".join(traceback.format_list(frames)).rstrip("\n").splitlines()
+            lines += traceback.format_exception_only(type(cause), cause)[-1:]
+        return [line.rstrip("\n") for line in lines]
 
 
 def call(name: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
@@ -25,8 +46,8 @@ def call(name: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     try:
         return fn(*args, **kwargs)
     except NotImplementedError as exc:
-        hint = f" Hint: {exc}" if str(exc) else ""
-        raise CheckFailure(f"`{name}` is not implemented yet.{hint}") from None
+        which = f" ({exc})" if str(exc) else ""
+        raise CheckFailure(f"`{name}` is not implemented yet{which}.") from None
     except CheckFailure:
         raise
     except Exception as exc:  # the learner's code crashed: say where, keep the cause
