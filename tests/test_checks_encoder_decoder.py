@@ -148,3 +148,98 @@ def test_greedy_decode_bugs_are_caught():
 
     with pytest.raises(CheckFailure, match="max_len=5"):
         check_greedy_decode(ignores_max_len)
+
+
+# ---- families: train mode and dropout, optional arguments, rows that differ, numerics ----------
+
+def test_dropout_in_the_wrong_place_or_left_on_in_eval_mode_is_caught():
+    def before_positions(self, tokens):
+        x = self.dropout(self.W_E[tokens] * math.sqrt(self.d_model))
+        return x + sinusoidal_positional_encoding(tokens.shape[-1], self.d_model, dtype=x.dtype)
+
+    with pytest.raises(CheckFailure, match="train mode, dropout on"):
+        check_token_embedding(type("EarlyDropout", (TokenEmbedding,), {"forward": before_positions}))
+
+    def always_dropout(self, tokens):
+        x = self.W_E[tokens] * math.sqrt(self.d_model)
+        pe = sinusoidal_positional_encoding(tokens.shape[-1], self.d_model, dtype=x.dtype)
+        return torch.nn.functional.dropout(x + pe, self.dropout.p)  # training=True by default
+
+    with pytest.raises(CheckFailure, match="eval mode"):
+        check_token_embedding(type("AlwaysDropout", (TokenEmbedding,), {"forward": always_dropout}))
+
+
+def test_a_decoder_block_without_dropout_on_one_sublayer_is_caught():
+    def forward(self, x, memory, tgt_mask, src_mask):
+        if self.pre_norm:
+            return DecoderBlock.forward(self, x, memory, tgt_mask, src_mask)
+        x = self.ln1(x + self.dropout(self.self_attn(x, mask=tgt_mask)))
+        x = self.ln2(x + self.cross_attn(x, context=memory, mask=src_mask))  # no dropout
+        return self.ln3(x + self.dropout(self.mlp(x)))
+
+    with pytest.raises(CheckFailure, match=r"norm='post', dropout=0.3.*train mode") as info:
+        check_decoder_block(type("MissingDropout", (DecoderBlock,), {"forward": forward}))
+    assert "three times" in str(info.value)
+
+
+def test_softmax_then_log_is_caught_on_confident_logits():
+    def softmax_log(logits, targets, *, smoothing=0.1, ignore_index=None):
+        log_probs = logits.softmax(-1).log()
+        nll = -log_probs.gather(-1, targets[..., None]).squeeze(-1)
+        loss = (1 - smoothing) * nll + smoothing * -log_probs.mean(-1)
+        keep = torch.ones_like(targets, dtype=torch.bool) if ignore_index is None else targets != ignore_index
+        return (loss * keep).sum() / keep.sum()
+
+    with pytest.raises(CheckFailure, match="log_softmax"):
+        check_label_smoothing(softmax_log)
+
+
+def test_an_ignore_index_that_must_be_given_is_caught():
+    def needs_ignore_index(logits, targets, *, smoothing=0.1, ignore_index=None):
+        return torch.nn.functional.cross_entropy(
+            logits.flatten(0, 1), targets.flatten(), label_smoothing=smoothing, ignore_index=ignore_index
+        )
+
+    with pytest.raises(CheckFailure, match="ignore_index left at its default"):
+        check_label_smoothing(needs_ignore_index)
+
+
+def test_greedy_decoding_that_stops_with_the_first_finished_row_is_caught():
+    def stops_early(model, src, *, bos_id, eos_id, max_len):
+        memory, mask = model.encode(src), model.src_mask(src)
+        ys = torch.full((src.shape[0], 1), bos_id)
+        for _ in range(max_len):
+            next_token = model.decode(ys, memory, mask)[:, -1].argmax(-1)
+            if (next_token == eos_id).any():  # the bug: one finished row ends every row
+                break
+            ys = torch.cat([ys, next_token[:, None]], dim=1)
+        return ys[:, 1:].tolist()
+
+    with pytest.raises(CheckFailure, match="every row"):
+        check_greedy_decode(stops_early)
+
+
+def test_valid_alternatives_pass():
+    """A loss written with `F.cross_entropy` and a greedy loop over rows one at a time."""
+
+    def with_cross_entropy(logits, targets, *, smoothing=0.1, ignore_index=None):
+        return torch.nn.functional.cross_entropy(
+            logits.flatten(0, 1), targets.flatten(), label_smoothing=smoothing,
+            ignore_index=-100 if ignore_index is None else ignore_index,
+        )
+
+    def row_by_row(model, src, *, bos_id, eos_id, max_len):
+        rows = []
+        for row in range(src.shape[0]):
+            one = src[row : row + 1]
+            memory, mask, ys = model.encode(one), model.src_mask(one), [bos_id]
+            while len(ys) <= max_len:
+                next_id = model.decode(torch.tensor([ys]), memory, mask)[0, -1].argmax().item()
+                if next_id == eos_id:
+                    break
+                ys.append(next_id)
+            rows.append(ys[1:])
+        return rows
+
+    check_label_smoothing(with_cross_entropy)
+    check_greedy_decode(row_by_row)

@@ -15,7 +15,14 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from transformer_course.checks import CheckFailure, call, expect, expect_close, passed
+from transformer_course.checks import (
+    CheckFailure,
+    call,
+    expect,
+    expect_close,
+    expect_same_in_train_mode,
+    passed,
+)
 from transformer_course.encoder_decoder import (
     DecoderBlock,
     EncoderDecoderTransformer,
@@ -112,6 +119,14 @@ def check_token_embedding(cls: type) -> None:
     if isinstance(actual, Tensor) and actual.shape == expected.shape and not torch.allclose(actual.double(), expected, atol=1e-6):
         _diagnose(actual, mistakes, name)
     expect_close(actual, expected.detach(), name, "return W_E[tokens] * sqrt(d_model) + PE[:pos], then dropout.", atol=1e-6)
+
+    theirs = call(name, cls, vocab, d_model, max_len, 0.5).double()
+    ours = TokenEmbedding(vocab, d_model, max_len, 0.5).double()
+    theirs.load_state_dict(ours.state_dict())
+    expect_same_in_train_mode(
+        f"{name}(dropout=0.5)", theirs, ours, tokens,
+        hint="apply self.dropout once, to the sum of the scaled embedding and the positional encoding.",
+    )
     passed(name)
 
 
@@ -163,7 +178,21 @@ def check_decoder_block(cls: type) -> None:
             "from memory, queries from x), MLP; each with dropout, a residual connection and its layer norm.",
             atol=1e-6,
         )
+        _expect_block_dropout(name, cls, norm, x, memory, tgt_mask, src_mask)
     passed(name)
+
+
+def _expect_block_dropout(name: str, cls: type, norm: str, *args: Tensor) -> None:
+    """With dropout on, in train mode, the learner's dropout falls where the reference's does."""
+    cfg = Seq2SeqConfig(**{**vars(_block_config(norm)), "dropout": 0.3})
+    ours = DecoderBlock(cfg).double()
+    theirs = call(name, cls, cfg).double()
+    theirs.load_state_dict(ours.state_dict())
+    expect_same_in_train_mode(
+        f"{name} (norm={norm!r}, dropout=0.3)", theirs, ours, *args,
+        hint="apply self.dropout to each sublayer's output before the residual sum "
+        "(three times: self-attention, cross-attention, MLP), and nowhere else.",
+    )
 
 
 def _as_pre(block: DecoderBlock) -> DecoderBlock:
@@ -199,20 +228,40 @@ def check_label_smoothing(fn: Callable[..., Tensor]) -> None:
     if isinstance(actual, Tensor) and actual.shape == expected.shape and not torch.allclose(actual.double(), expected, atol=1e-6):
         _diagnose(actual, mistakes, name)
     expect_close(actual, expected, name, "(1 - s) * nll + s * mean over the vocab of -log p, averaged over non-padding targets.", atol=1e-6)
+
+    where = f"{name} (ignore_index left at its default, None)"
+    actual = call(where, fn, logits, targets, smoothing=0.2)
+    expected = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), label_smoothing=0.2)
+    expect_close(actual, expected, where, "with ignore_index=None every position counts.", atol=1e-6)
+
+    where = f"{name} (confident logits, scaled by 1000)"
+    actual = call(where, fn, logits * 1000, targets, smoothing=0.2, ignore_index=0)
+    expected = F.cross_entropy(
+        (logits * 1000).flatten(0, 1), targets.flatten(), label_smoothing=0.2, ignore_index=0
+    )
+    expect_close(actual, expected, where, "softmax(...).log() underflows to log(0) = -inf for unlikely "
+                 "tokens: use logits.log_softmax(-1), which stays finite.", atol=1e-3, rtol=1e-4)
     passed(name)
 
 
 class _Scripted(EncoderDecoderTransformer):
-    """Emits 5, 6, 7, ... and then the end token at position `eos_at`, whatever the input."""
+    """Emits 5, 6, 7, ... and then the end token at position `eos_at`, whatever the input; with a
+    dict, `eos_at[first source token]`, so each row ends on its own (whether the rows are decoded
+    as one batch or one by one). After its end token a row goes on emitting 5, 6, 7, ..."""
 
-    def __init__(self, eos_at: int):
+    def __init__(self, eos_at: int | dict[int, int]):
         super().__init__(Seq2SeqConfig(src_vocab=20, tgt_vocab=20, d_model=8, n_heads=2, n_layers=1, d_ff=8, dropout=0.0, max_len=16))
         self.eos_at = eos_at
 
+    def encode(self, src):
+        return src[..., None].double().expand(*src.shape, self.cfg.d_model)
+
     def decode(self, tgt, memory, src_mask):
         logits = torch.full((*tgt.shape, self.cfg.tgt_vocab), -10.0)
-        for pos in range(tgt.shape[1]):
-            logits[:, pos, 2 if pos + 1 == self.eos_at else 5 + pos % 10] = 10.0
+        for row, first in enumerate(memory[:, 0, 0].long().tolist()):
+            end = self.eos_at[first] if isinstance(self.eos_at, dict) else self.eos_at
+            for pos in range(tgt.shape[1]):
+                logits[row, pos, 2 if pos + 1 == end else 5 + pos % 10] = 10.0
         return logits
 
 
@@ -230,6 +279,13 @@ def check_greedy_decode(fn: Callable[..., list[list[int]]]) -> None:
     expect(
         stops == [[5, 6, 7]] * 2, name, f"a model that says 5, 6, 7, </s> should give [5, 6, 7], got {stops[0]!r}.",
         "append the argmax of the last position's logits each step; a row is done at </s>.",
+    )
+    ragged = call(name, fn, _Scripted(eos_at={3: 2, 5: 4}), src, bos_id=1, eos_id=2, max_len=10)
+    expect(
+        ragged == [[5], [5, 6, 7]], name,
+        f"rows that end at different steps (row 0 after 5, row 1 after 5, 6, 7) gave {ragged!r}.",
+        "keep decoding until every row has produced </s> (a finished row only gets padding), and "
+        "cut each row before its own first </s>.",
     )
     capped = call(name, fn, _Scripted(eos_at=99), src, bos_id=1, eos_id=2, max_len=5)
     expect(
