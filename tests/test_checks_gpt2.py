@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from transformer_course.blocks import MLP
+from transformer_course.blocks import ACTIVATIONS, MLP
 from transformer_course.checks import CheckFailure
 from transformer_course.checks.gpt2 import (
     check_embed,
@@ -224,3 +224,87 @@ def test_generate_rejects_division_by_zero_temperature():
         return tokens
 
     fails(check_generate, divides, "greedy")
+
+
+# Families: hooks, optional arguments, dropout in train and eval mode, rows that differ.
+
+
+class FixedGeluMLP(MLP):
+    """Ignores `act_fn`: always gelu_new."""
+
+    def forward(self, x):
+        pre = self.hook_pre(x @ self.W_in + self.b_in)
+        return self.hook_post(F.gelu(pre, approximate="tanh")) @ self.W_out + self.b_out
+
+
+class UnhookedMLP(MLP):
+    def forward(self, x):
+        pre = self.hook_pre(x @ self.W_in + self.b_in)
+        return ACTIVATIONS[self.act_fn](pre) @ self.W_out + self.b_out
+
+
+def test_mlp_rejects_an_ignored_act_fn_and_a_missing_hook():
+    fails(check_mlp, FixedGeluMLP, "act_fn='relu'", "ACTIVATIONS[self.act_fn]")
+    fails(check_mlp, UnhookedMLP, "hook_post", "never received")
+
+
+class UnhookedGPT2(GPT2):
+    def forward(self, tokens):
+        residual = self.dropout(self.embed(tokens) + self.pos_embed(tokens))
+        for block in self.blocks:
+            residual = block(residual)
+        return self.unembed(self.ln_final(residual))
+
+
+class LateDropoutGPT2(GPT2):
+    def forward(self, tokens):
+        residual = self.hook_embed(self.embed(tokens)) + self.hook_pos_embed(self.pos_embed(tokens))
+        for block in self.blocks:
+            residual = block(residual)
+        return self.unembed(self.ln_final(self.dropout(residual)))
+
+
+def test_gpt2_forward_rejects_missing_hooks_and_misplaced_dropout():
+    fails(check_gpt2_forward, UnhookedGPT2, "hook_embed", "never received")
+    fails(check_gpt2_forward, LateDropoutGPT2, "train mode", "before the blocks")
+
+
+def test_generate_rejects_a_top_k_threshold_taken_from_the_first_row():
+    @torch.no_grad()
+    def first_row_threshold(model, tokens, max_new_tokens, *, temperature=1.0, top_k=None):
+        for _ in range(max_new_tokens):
+            logits = model(tokens[:, -model.cfg.n_ctx :])[:, -1]
+            if temperature == 0:
+                next_token = logits.argmax(-1, keepdim=True)
+            else:
+                logits = logits / temperature
+                if top_k is not None:
+                    threshold = logits[0].topk(top_k).values[-1]  # the bug: row 0's k-th largest
+                    logits = logits.masked_fill(logits < threshold, -math.inf)
+                next_token = torch.multinomial(logits.softmax(-1), 1)
+            tokens = torch.cat([tokens, next_token], dim=1)
+        return tokens
+
+    fails(check_generate, first_row_threshold, "four different prompts", "each row")
+
+
+def test_generate_alternatives_pass():
+    """Top-k by scattering the kept logits into -inf, and sampling with a Gumbel-max trick."""
+
+    @torch.no_grad()
+    def scatter_gumbel(model, tokens, max_new_tokens, *, temperature=1.0, top_k=None):
+        for _ in range(max_new_tokens):
+            logits = model(tokens[:, -model.cfg.n_ctx :])[:, -1]
+            if temperature == 0:
+                next_token = logits.argmax(-1, keepdim=True)
+            else:
+                logits = logits / temperature
+                if top_k is not None:
+                    values, indices = logits.topk(top_k, dim=-1)
+                    logits = torch.full_like(logits, -math.inf).scatter(-1, indices, values)
+                gumbel = -torch.log(-torch.log(torch.rand_like(logits)))
+                next_token = (logits + gumbel).argmax(-1, keepdim=True)
+            tokens = torch.cat([tokens, next_token], dim=1)
+        return tokens
+
+    check_generate(scatter_gumbel)

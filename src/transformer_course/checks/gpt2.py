@@ -14,7 +14,16 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from transformer_course.checks import CheckFailure, call, expect, expect_close, passed
+from transformer_course.blocks import MLP as ReferenceMLP
+from transformer_course.checks import (
+    CheckFailure,
+    call,
+    expect,
+    expect_close,
+    expect_hooks,
+    expect_same_in_train_mode,
+    passed,
+)
 from transformer_course.gpt2 import GPT2, GPT2Config
 
 __all__ = ["check_embed", "check_pos_embed", "check_unembed", "check_mlp", "check_gpt2_forward", "check_generate"]
@@ -172,7 +181,31 @@ def check_mlp(MLP: type) -> None:
                 hint,
             )
     expect_close(out, expected, name, "x @ W_in + b_in, then gelu_new, then @ W_out + b_out.")
+
+    for act_fn in ("relu", "gelu"):
+        where = f"{name}(act_fn={act_fn!r})"
+        theirs = call(where, MLP, d_model, d_mlp, act_fn=act_fn)
+        reference = ReferenceMLP(d_model, d_mlp, act_fn=act_fn)
+        reference.load_state_dict(mlp.state_dict())
+        theirs.load_state_dict(mlp.state_dict())
+        expect_close(call(where, theirs, x), reference(x).detach(), where,
+                     "use the activation the module was built with, ACTIVATIONS[self.act_fn].")
+    expect_hooks(
+        name, mlp, reference_mlp(mlp, d_model, d_mlp),
+        {
+            "hook_pre": "pass x @ W_in + b_in (before the activation) through self.hook_pre.",
+            "hook_post": "pass the activation's output through self.hook_post, before W_out.",
+        },
+        x,
+        atol=1e-6,
+    )
     passed(name)
+
+
+def reference_mlp(mlp: torch.nn.Module, d_model: int, d_mlp: int) -> torch.nn.Module:
+    reference = ReferenceMLP(d_model, d_mlp)
+    reference.load_state_dict(mlp.state_dict())
+    return reference
 
 
 def _reference_model(seed: int = 0) -> GPT2:
@@ -224,7 +257,30 @@ def check_gpt2_forward(GPT2Class: type) -> None:
     expect_close(
         out, expected, name, "embed + pos_embed, then each block in turn, then ln_final, then unembed.", atol=1e-4
     )
+    expect_hooks(
+        name, model, reference,
+        {
+            "hook_embed": "pass the token embeddings, embed(tokens), through self.hook_embed.",
+            "hook_pos_embed": "pass the position embeddings, pos_embed(tokens), through self.hook_pos_embed.",
+        },
+        tokens,
+        atol=1e-6,
+    )
+    _expect_model_dropout(name, GPT2Class, tokens)
     passed(name)
+
+
+def _expect_model_dropout(name: str, GPT2Class: type, tokens: torch.Tensor) -> None:
+    cfg = GPT2Config(**{**vars(CFG), "dropout": 0.3})
+    torch.manual_seed(0)
+    reference = GPT2(cfg)
+    model = _build(name, GPT2Class, cfg)
+    model.load_state_dict(reference.state_dict())
+    expect_same_in_train_mode(
+        f"{name} (dropout=0.3)", model, reference, tokens,
+        hint="apply self.dropout once, to the sum of the token and position embeddings, before the blocks.",
+        atol=1e-5,
+    )
 
 
 def _greedy(model: GPT2, tokens: torch.Tensor, steps: int) -> torch.Tensor:
@@ -237,6 +293,29 @@ def _greedy(model: GPT2, tokens: torch.Tensor, steps: int) -> torch.Tensor:
 
 def _frequencies(samples: torch.Tensor) -> torch.Tensor:
     return torch.bincount(samples, minlength=CFG.d_vocab).double() / samples.numel()
+
+
+def _expect_top_k_per_row(name: str, generate: Callable[..., torch.Tensor], model: GPT2) -> None:
+    """Rows with different prompts: each row samples from its own top k, not row 0's."""
+    prompts = _tokens(batch=4, pos=3, seed=8)
+    with torch.no_grad():
+        logits = model(prompts)[:, -1].double()
+    top = logits.topk(3, dim=-1)
+    n = 1500
+    torch.manual_seed(9)
+    drawn = call(name, generate, model, prompts.repeat_interleave(n, dim=0), 1, top_k=3)[:, -1]
+    for row in range(len(prompts)):
+        mine = drawn[row * n : (row + 1) * n]
+        freq = (mine[:, None] == top.indices[row]).double().mean(0)
+        worst = (freq - top.values[row].softmax(-1)).abs().max().item()
+        expect(
+            bool(torch.isin(mine, top.indices[row]).all()) and worst < 0.06,  # 0.06: over 5 std errors
+            f"{name} (top_k=3, four different prompts)",
+            f"row {row} does not sample from its own 3 most likely tokens "
+            f"(frequencies {freq.tolist()} for its top 3).",
+            "take the k-th largest logit of each row (topk over dim=-1, keep a (batch, 1) threshold), "
+            "not of the first row or of the whole batch.",
+        )
 
 
 def check_generate(generate: Callable[..., torch.Tensor]) -> None:
@@ -322,4 +401,5 @@ def check_generate(generate: Callable[..., torch.Tensor]) -> None:
                 f"`{name}`: samples at temperature={temperature}, top_k={top_k} do not follow the model's "
                 f"distribution (frequency off by {worst:.3f}).\nHint: {hint}"
             )
+    _expect_top_k_per_row(name, generate, model)
     passed(name)
