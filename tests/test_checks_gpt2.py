@@ -292,7 +292,7 @@ def test_generate_alternatives_pass():
     """Top-k by scattering the kept logits into -inf, and sampling with a Gumbel-max trick."""
 
     @torch.no_grad()
-    def scatter_gumbel(model, tokens, max_new_tokens, *, temperature=1.0, top_k=None):
+    def scatter_gumbel(model, tokens, max_new_tokens, *, temperature=1.0, top_k=None, generator=None):
         for _ in range(max_new_tokens):
             logits = model(tokens[:, -model.cfg.n_ctx :])[:, -1]
             if temperature == 0:
@@ -302,9 +302,18 @@ def test_generate_alternatives_pass():
                 if top_k is not None:
                     values, indices = logits.topk(top_k, dim=-1)
                     logits = torch.full_like(logits, -math.inf).scatter(-1, indices, values)
-                gumbel = -torch.log(-torch.log(torch.rand_like(logits)))
+                uniform = torch.rand(logits.shape, generator=generator)
+                gumbel = -torch.log(-torch.log(uniform))
                 next_token = (logits + gumbel).argmax(-1, keepdim=True)
             tokens = torch.cat([tokens, next_token], dim=1)
         return tokens
 
     check_generate(scatter_gumbel)
+
+
+def test_generate_rejects_an_ignored_generator():
+    @torch.no_grad()
+    def global_rng(model, tokens, max_new_tokens, *, temperature=1.0, top_k=None, generator=None):
+        return generate(model, tokens, max_new_tokens, temperature=temperature, top_k=top_k)
+
+    fails(check_generate, global_rng, "same generator seed", "generator=generator")

@@ -318,8 +318,26 @@ def _expect_top_k_per_row(name: str, generate: Callable[..., torch.Tensor], mode
         )
 
 
+def _expect_generator_is_used(
+    name: str, generate: Callable[..., torch.Tensor], model: GPT2, prompt: torch.Tensor
+) -> None:
+    """Two runs with equally seeded generators agree, whatever the global random state."""
+    runs = []
+    for global_seed in (1, 2):
+        torch.manual_seed(global_seed)
+        generator = torch.Generator().manual_seed(11)
+        runs.append(call(name, generate, model, prompt, 6, generator=generator))
+    expect(
+        torch.equal(runs[0], runs[1]),
+        f"{name} (generator=torch.Generator().manual_seed(11), twice)",
+        "two runs with the same generator seed gave different tokens.",
+        "draw every random number from the generator you are given: "
+        "torch.multinomial(probs, 1, generator=generator).",
+    )
+
+
 def check_generate(generate: Callable[..., torch.Tensor]) -> None:
-    """`generate(model, tokens, max_new_tokens, *, temperature=1.0, top_k=None)`."""
+    """`generate(model, tokens, max_new_tokens, *, temperature=1.0, top_k=None, generator=None)`."""
     name = "generate"
     model = _reference_model(seed=3)
     prompt = _tokens(batch=2, pos=4, seed=4)
@@ -402,4 +420,5 @@ def check_generate(generate: Callable[..., torch.Tensor]) -> None:
                 f"distribution (frequency off by {worst:.3f}).\nHint: {hint}"
             )
     _expect_top_k_per_row(name, generate, model)
+    _expect_generator_is_used(name, generate, model, prompt)
     passed(name)
