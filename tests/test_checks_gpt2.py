@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from transformer_course.blocks import ACTIVATIONS, MLP
+from transformer_course.blocks import ACTIVATIONS, MLP, TransformerBlock
 from transformer_course.checks import CheckFailure
 from transformer_course.checks.gpt2 import (
     check_embed,
@@ -18,9 +18,11 @@ from transformer_course.checks.gpt2 import (
     check_gpt2_forward,
     check_mlp,
     check_pos_embed,
+    check_transformer_block,
     check_unembed,
 )
 from transformer_course.gpt2 import GPT2, Embed, PosEmbed, Unembed, generate
+from transformer_course.masking import causal_mask, combine_masks
 
 
 def fails(check, candidate, *words: str) -> None:
@@ -317,3 +319,64 @@ def test_generate_rejects_an_ignored_generator():
         return generate(model, tokens, max_new_tokens, temperature=temperature, top_k=top_k)
 
     fails(check_generate, global_rng, "same generator seed", "generator=generator")
+
+
+# The transformer block.
+
+
+def block_with(forward):
+    return type("LearnerBlock", (TransformerBlock,), {"forward": forward})
+
+
+def _sublayers(self, resid, mask, *, causal=True, pre_ln=True, keep_stream=True, residual=True, drop=True):
+    """A block forward pass with one knob turned wrong at a time."""
+    if causal:
+        mask = combine_masks(causal_mask(resid.shape[1]), mask)
+    dropout = self.dropout if drop else (lambda t: t)
+    resid = self.hook_resid_pre(resid)
+    if pre_ln if self.norm == "pre" else not pre_ln:
+        stream = resid if keep_stream else self.ln1(resid)
+        attn_out = self.hook_attn_out(dropout(self.attn(self.ln1(resid), mask=mask)))
+        resid = self.hook_resid_mid((stream if residual else 0) + attn_out)
+        mlp_out = self.hook_mlp_out(dropout(self.mlp(self.ln2(resid))))
+        return self.hook_resid_post((resid if residual else 0) + mlp_out)
+    attn_out = self.hook_attn_out(dropout(self.attn(resid, mask=mask)))
+    resid = self.hook_resid_mid(self.ln1(resid + attn_out))
+    mlp_out = self.hook_mlp_out(dropout(self.mlp(resid)))
+    return self.hook_resid_post(self.ln2(resid + mlp_out))
+
+
+@pytest.mark.parametrize(
+    ("knob", "words"),
+    [
+        ({"causal": False}, ["causal_mask"]),
+        ({"pre_ln": False}, ["this is post-LN"]),
+        ({"keep_stream": False}, ["residual stream itself"]),
+        ({"residual": False}, ["a residual connection is missing"]),
+        ({"drop": False}, ["dropout=0.3", "train mode"]),
+    ],
+)
+def test_transformer_block_bugs_are_named(knob, words):
+    fails(check_transformer_block, block_with(lambda self, resid, mask=None: _sublayers(self, resid, mask, **knob)),
+          *words)
+
+
+def test_transformer_block_that_ignores_its_mask_or_hooks_is_caught():
+    fails(check_transformer_block, block_with(lambda self, resid, mask=None: _sublayers(self, resid, None)),
+          "a padding mask", "ignored")
+
+    def unhooked(self, resid, mask=None):
+        mask = combine_masks(causal_mask(resid.shape[1]), mask)
+        resid = resid + self.dropout(self.attn(self.ln1(resid), mask=mask))
+        return resid + self.dropout(self.mlp(self.ln2(resid)))
+
+    fails(check_transformer_block, block_with(unhooked), "hook_resid_pre", "never received")
+
+
+def test_transformer_block_reference_and_blank():
+    check_transformer_block(TransformerBlock)
+
+    def blank(self, resid, mask=None):
+        raise NotImplementedError("Exercise 6.5: write TransformerBlock.forward")
+
+    fails(check_transformer_block, block_with(blank), "not implemented", "Exercise 6.5")

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from transformer_course.blocks import MLP as ReferenceMLP
+from transformer_course.blocks import TransformerBlock
 from transformer_course.checks import (
     CheckFailure,
     call,
@@ -25,8 +26,17 @@ from transformer_course.checks import (
     passed,
 )
 from transformer_course.gpt2 import GPT2, GPT2Config
+from transformer_course.masking import causal_mask, combine_masks, padding_mask
 
-__all__ = ["check_embed", "check_pos_embed", "check_unembed", "check_mlp", "check_gpt2_forward", "check_generate"]
+__all__ = [
+    "check_embed",
+    "check_pos_embed",
+    "check_unembed",
+    "check_mlp",
+    "check_transformer_block",
+    "check_gpt2_forward",
+    "check_generate",
+]
 
 CFG = GPT2Config(d_model=16, n_layers=2, n_heads=2, d_vocab=37, n_ctx=12)
 
@@ -35,8 +45,8 @@ def _tokens(batch: int = 3, pos: int = 7, seed: int = 0) -> torch.Tensor:
     return torch.randint(0, CFG.d_vocab, (batch, pos), generator=torch.Generator().manual_seed(seed))
 
 
-def _build(name: str, cls: type, *args: Any) -> torch.nn.Module:
-    return call(f"{name}.__init__", cls, *args)
+def _build(name: str, cls: type, *args: Any, **kwargs: Any) -> torch.nn.Module:
+    return call(f"{name}.__init__", cls, *args, **kwargs)
 
 
 def _param(module: torch.nn.Module, name: str, owner: str, shape: tuple[int, ...]) -> torch.nn.Parameter:
@@ -206,6 +216,92 @@ def reference_mlp(mlp: torch.nn.Module, d_model: int, d_mlp: int) -> torch.nn.Mo
     reference = ReferenceMLP(d_model, d_mlp)
     reference.load_state_dict(mlp.state_dict())
     return reference
+
+
+BLOCK_HOOKS = {
+    "hook_resid_pre": "pass the incoming residual stream through self.hook_resid_pre first.",
+    "hook_attn_out": "hook_attn_out gets what attention adds to the stream (after dropout).",
+    "hook_resid_mid": "hook_resid_mid gets the stream after the attention sublayer.",
+    "hook_mlp_out": "hook_mlp_out gets what the MLP adds to the stream (after dropout).",
+    "hook_resid_post": "hook_resid_post gets the block's output.",
+}
+
+
+def _block_variants(block: TransformerBlock, x: torch.Tensor, mask: torch.Tensor | None) -> dict[str, torch.Tensor]:
+    """The outputs of the classic block mistakes, built from the reference's own sublayers."""
+    pos = x.shape[1]
+    causal = combine_masks(causal_mask(pos), mask)
+
+    def attn(h: torch.Tensor, m: torch.Tensor | None) -> torch.Tensor:
+        return block.attn(h, mask=m)
+
+    pre = lambda h, m: (lambda r: r + block.mlp(block.ln2(r)))(h + attn(block.ln1(h), m))  # noqa: E731
+    post = lambda h, m: (lambda r: block.ln2(r + block.mlp(r)))(block.ln1(h + attn(h, m)))  # noqa: E731
+    right, wrong = (pre, post) if block.norm == "pre" else (post, pre)
+    variants = {
+        "attention must be causal: combine causal_mask(pos) with the mask you are given, so no "
+        "position sees a later one.": right(x, mask),
+        f"this is {'post' if block.norm == 'pre' else 'pre'}-LN; with norm={block.norm!r} "
+        + ("normalise each sublayer's input: x = x + attn(ln1(x)), then x = x + mlp(ln2(x))."
+           if block.norm == "pre" else "normalise after each residual sum: x = ln1(x + attn(x))."): wrong(x, causal),
+        "the mask you are given is ignored: combine it with the causal mask.": right(x, causal_mask(pos)),
+    }
+    if block.norm == "pre":
+        normed = block.ln1(x)
+        mid = normed + attn(normed, causal)
+        variants["only the sublayer's input is normalised; the residual stream itself stays as it "
+                 "is: x = x + attn(ln1(x)), not ln1(x) + attn(ln1(x))."] = mid + block.mlp(block.ln2(mid))
+        mid = attn(block.ln1(x), causal)
+        hint = "a residual connection is missing: add each sublayer's output to the stream, x = x + ..."
+        variants[hint] = block.mlp(block.ln2(mid))
+        variants[hint + " (the attention's)"] = mid + block.mlp(block.ln2(mid))
+    return variants
+
+
+def check_transformer_block(cls: type) -> None:
+    """`TransformerBlock(d_model, n_heads, d_head, d_mlp, *, ln_eps, norm, act_fn, dropout)`:
+    causal self-attention and an MLP on the residual stream, pre-LN or post-LN."""
+    name = "TransformerBlock"
+    x = torch.randn(2, 5, 16, generator=torch.Generator().manual_seed(4), dtype=torch.float64)
+    padding = padding_mask(torch.tensor([[1, 2, 3, 4, 5], [1, 2, 3, 0, 0]]), 0)
+    for norm in ("pre", "post"):
+        torch.manual_seed(5)
+        reference = TransformerBlock(16, 4, 4, 32, norm=norm).double().eval()
+        generator = torch.Generator().manual_seed(6)
+        with torch.no_grad():
+            for param in reference.parameters():
+                param.add_(0.3 * torch.randn(param.shape, generator=generator, dtype=torch.float64))
+        block = _build(f"{name}(norm={norm!r})", cls, 16, 4, 4, 32, norm=norm).double()
+        try:
+            block.load_state_dict(reference.state_dict())
+        except Exception as exc:
+            raise CheckFailure(f"`{name}`: the reference weights do not load ({exc}).\nHint: keep the "
+                               "attribute names of __init__: ln1, attn, ln2, mlp.") from None
+        block.eval()
+        for mask, label in ((None, "no mask"), (padding, "a padding mask")):
+            where = f"{name}(norm={norm!r}), {label}"
+            with torch.no_grad():
+                out = call(where, block, x, mask)
+                expected = reference(x, mask)
+                if isinstance(out, torch.Tensor) and out.shape == expected.shape and not _same(out, expected):
+                    for hint, wrong in _block_variants(reference, x, mask).items():
+                        expect(not _same(out, wrong), where, "values differ from the reference.", hint)
+            expect_close(out, expected, where, "x = x + dropout(attn(ln1(x), causal mask)); "
+                         "x = x + dropout(mlp(ln2(x))) for pre-LN.", atol=1e-8)
+        expect_hooks(f"{name}(norm={norm!r})", block, reference, BLOCK_HOOKS, x, atol=1e-8)
+        theirs = _build(name, cls, 16, 4, 4, 32, norm=norm, dropout=0.3).double()
+        ours = TransformerBlock(16, 4, 4, 32, norm=norm, dropout=0.3).double()
+        theirs.load_state_dict(ours.state_dict())
+        expect_same_in_train_mode(
+            f"{name}(norm={norm!r}, dropout=0.3)", theirs, ours, x,
+            hint="apply self.dropout to each sublayer's output before adding it to the stream "
+            "(twice: attention, MLP), and nowhere else.",
+        )
+    passed(name)
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and torch.allclose(a.detach().double(), b.detach().double(), atol=1e-8)
 
 
 def _reference_model(seed: int = 0) -> GPT2:
