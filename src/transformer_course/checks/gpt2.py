@@ -36,6 +36,7 @@ __all__ = [
     "check_transformer_block",
     "check_gpt2_forward",
     "check_generate",
+    "check_against_huggingface",
 ]
 
 CFG = GPT2Config(d_model=16, n_layers=2, n_heads=2, d_vocab=37, n_ctx=12)
@@ -517,4 +518,31 @@ def check_generate(generate: Callable[..., torch.Tensor]) -> None:
             )
     _expect_top_k_per_row(name, generate, model)
     _expect_generator_is_used(name, generate, model, prompt)
+    passed(name)
+
+
+def check_against_huggingface(model: torch.nn.Module, hf_model: torch.nn.Module, tokens: torch.Tensor) -> None:
+    """Compare a GPT-2 holding Hugging Face's weights with the Hugging Face model itself, component
+    by component (embeddings, each block's output, the final norm, the logits), in float32 with
+    tolerance 1e-4, and say which component first differs."""
+    name = "GPT2 with Hugging Face's weights"
+    model.eval(), hf_model.eval()
+    with torch.no_grad():
+        hf = hf_model(tokens, output_hidden_states=True)
+        logits, cache = call(name, model.run_with_cache, tokens)
+    last = f"blocks.{model.cfg.n_layers - 1}.hook_resid_post"
+    stages = [("embeddings", cache["hook_embed"] + cache["hook_pos_embed"], hf.hidden_states[0],
+               "embed(tokens) + pos_embed(tokens): W_E and W_pos came from wte and wpe.")]
+    for layer in range(model.cfg.n_layers - 1):
+        stages.append((f"block {layer}", cache[f"blocks.{layer}.hook_resid_post"], hf.hidden_states[layer + 1],
+                       "your TransformerBlock: x + attn(ln1(x)), then x + mlp(ln2(x))."))
+    stages += [
+        ("last block and ln_final", model.ln_final(cache[last]), hf.hidden_states[-1],
+         "the last block, then ln_final (Hugging Face applies its final norm to the last hidden state)."),
+        ("logits", logits, hf.logits, "unembed: x @ W_U + b_U, with W_U the transpose of lm_head.weight."),
+    ]
+    for stage, ours, theirs, hint in stages:
+        worst = (ours.float() - theirs.float()).abs().max().item()
+        print(f"{stage:<24} max |difference| {worst:.1e}")
+        expect(worst < 1e-4, f"{name}, {stage}", f"differs from Hugging Face's by up to {worst:.3g}.", hint)
     passed(name)
