@@ -1,20 +1,25 @@
 # %% [markdown]
 # # Chapter 5 workbook: the encoder–decoder Transformer
 #
-# You will build the parts of Vaswani et al.'s translation model that are new in this chapter:
+# You will build Vaswani et al.'s translation model, then train it and translate with it:
 #
 # 1. the sinusoidal positional encoding;
 # 2. the token embedding, scaled by $\sqrt{d_\text{model}}$, plus the positions;
-# 3. a decoder block: masked self-attention, cross-attention, MLP;
-# 4. the label-smoothed cross-entropy loss;
-# 5. greedy decoding.
+# 3. an encoder block: self-attention over the whole source, then the MLP;
+# 4. a decoder block: masked self-attention, cross-attention to the source, MLP;
+# 5. the model that assembles your embedding and blocks into an encoder and a decoder;
+# 6. the label-smoothed cross-entropy loss;
+# 7. the paper's learning-rate schedule;
+# 8. greedy decoding, and 9. beam search.
 #
-# Attention, masks, layer norm and the MLP come from the earlier chapters. Each check cell
-# compares your code with the course's reference and, when they differ, tells you which classic
-# mistake your output matches. The chapter's book page trains the whole model on English→Spanish.
+# At the end **your** model trains for a few minutes on English→Spanish and translates real
+# sentences with **your** decoding. Attention, masks, layer norm and the MLP come from the
+# earlier chapters. Each check cell compares your code with the course's reference and, when
+# they differ, tells you which classic mistake your output matches.
 
 # %% tags=nbval-ignore-output
 import math
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -24,15 +29,20 @@ from torch import Tensor, nn
 from transformer_course.attention import MultiHeadAttention
 from transformer_course.blocks import MLP
 from transformer_course.checks.encoder_decoder import (
+    check_beam_search,
     check_decoder_block,
+    check_encoder_block,
+    check_encoder_decoder,
     check_greedy_decode,
+    check_inverse_sqrt_lr,
     check_label_smoothing,
     check_positional_encoding,
     check_token_embedding,
 )
-from transformer_course.encoder_decoder import EncoderDecoderTransformer, Seq2SeqConfig, _check_decode_args
+from transformer_course.encoder_decoder import Seq2SeqConfig, _check_decode_args, pad_batch
 from transformer_course.layernorm import LayerNorm
-from transformer_course.runtime import describe, seed_everything
+from transformer_course.masking import causal_mask, padding_mask
+from transformer_course.runtime import describe, pick, seed_everything
 
 seed_everything(0)
 print(describe())
@@ -77,7 +87,24 @@ check_positional_encoding(sinusoidal_positional_encoding)
 check_token_embedding(TokenEmbedding)
 
 # %% [markdown]
-# ## Exercise 5.3: a decoder block
+# ## Exercise 5.3: an encoder block
+#
+# Two sublayers, each wrapped in dropout, a residual connection and a layer norm: self-attention
+# over the whole source (every source token may look at every other, except padding:
+# `src_mask`), then the position-wise MLP. With `norm="post"` (the paper) the norm comes after
+# the sum: `x = ln(x + dropout(sublayer(x)))`; with `norm="pre"` before the sublayer:
+# `x = x + dropout(sublayer(ln(x)))`. `self.pre_norm` tells you which.
+
+# %% [exercise] transformer_course.encoder_decoder:EncoderBlock blank=forward difficulty=2 importance=5 minutes=15
+# hint: Self-attention takes its queries, keys and values from `x`; `src_mask` hides the padding.
+# hint: Post-LN: `x = self.ln1(x + self.dropout(self.attn(x, mask=src_mask)))`; the MLP
+#   sublayer is the same with `ln2`. Pre-LN moves the norm onto the sublayer's input.
+
+# %% [check]
+check_encoder_block(EncoderBlock)
+
+# %% [markdown]
+# ## Exercise 5.4: a decoder block
 #
 # Three sublayers, each wrapped in dropout, a residual connection and a layer norm:
 #
@@ -102,7 +129,32 @@ check_token_embedding(TokenEmbedding)
 check_decoder_block(DecoderBlock)
 
 # %% [markdown]
-# ## Exercise 5.4: label smoothing
+# ## Exercise 5.5: the whole model
+#
+# The class below assembles your parts: `src_embed` and `tgt_embed` are your `TokenEmbedding`
+# (one shared table when `cfg.share_embeddings`), `encoder` and `decoder` are stacks of your
+# blocks. Write the two halves:
+#
+# * `encode(src)`: embed the source, run every encoder block with the source padding mask
+#   (`self.src_mask(src)`), and with pre-LN finish with `self.ln_enc` (pre-LN blocks never
+#   normalise the stream itself).
+# * `decode(tgt, memory, src_mask)`: embed the target; every decoder block gets the causal mask
+#   **and** the target's own padding mask (`&`), the memory and `src_mask`; with pre-LN finish
+#   with `self.ln_dec`; the logits are `x @ W_U + b_U`, where `W_U` is `tgt_embed.W_E.T` when the
+#   embeddings are tied (`cfg.tie_embeddings`, as in the paper) and `self.W_U` otherwise.
+#
+# Check the token ids first (`self._check_tokens`, given), so a bad id gives a clear error.
+
+# %% [exercise] transformer_course.encoder_decoder:EncoderDecoderTransformer blank=encode,decode difficulty=3 importance=5 minutes=25
+# hint: `encode` is a loop over `self.encoder`, each block called as `block(x, mask)`.
+# hint: `decode` builds `causal_mask(tgt_len, device=tgt.device) & padding_mask(tgt, pad_id)`
+#   once and passes it, with `memory` and `src_mask`, to every decoder block.
+
+# %% [check]
+check_encoder_decoder(EncoderDecoderTransformer)
+
+# %% [markdown]
+# ## Exercise 5.6: label smoothing
 #
 # Instead of a one-hot target, train against $(1-\varepsilon)\cdot\text{one\_hot} + \varepsilon/V$
 # (Szegedy et al., 2016; the paper uses $\varepsilon = 0.1$). The loss becomes
@@ -120,7 +172,26 @@ check_decoder_block(DecoderBlock)
 check_label_smoothing(label_smoothed_cross_entropy)
 
 # %% [markdown]
-# ## Exercise 5.5: greedy decoding
+# ## Exercise 5.7: the learning-rate schedule
+#
+# The paper raises the learning rate linearly for `warmup_steps` steps and then lets it fall
+# with the inverse square root of the step. With steps counted from 0 and $n$ = step + 1:
+#
+# $$\text{lr}(n) = \text{lr}_\text{peak} \cdot \min\left(\frac{n}{\text{warmup}},
+# \sqrt{\frac{\text{warmup}}{n}}\right)$$
+#
+# (The paper's $d_\text{model}^{-0.5}\min(n^{-0.5}, n\cdot\text{warmup}^{-1.5})$ is this
+# with $\text{lr}_\text{peak} = (d_\text{model}\cdot\text{warmup})^{-0.5}$.) Warmup keeps
+# the first updates small while Adam's statistics are still noisy.
+
+# %% [exercise] transformer_course.training:inverse_sqrt_lr difficulty=1 importance=3 minutes=10
+# hint: The two branches meet at n = warmup_steps, where both equal 1: that is the peak.
+
+# %% [check]
+check_inverse_sqrt_lr(inverse_sqrt_lr)
+
+# %% [markdown]
+# ## Exercise 5.8: greedy decoding
 #
 # Encode the source once. Start every row with `<s>`; at each step run the decoder on the tokens
 # so far, take the most likely next token at the last position and append it. A row is finished
@@ -137,3 +208,92 @@ check_label_smoothing(label_smoothed_cross_entropy)
 
 # %% [check]
 check_greedy_decode(greedy_decode)
+
+# %% [markdown]
+# ## Exercise 5.9: beam search
+#
+# Greedy decoding commits to the likeliest next token even when a less likely one leads to a
+# likelier translation. Beam search keeps the `beam_size` best partial translations instead,
+# scored by the sum of their tokens' log-probabilities. At each step, extend every live beam by
+# every token, keep the best `beam_size` extensions that do not end, and set aside those that end
+# with `</s>`, their score divided by `length ** length_penalty` so long translations are not
+# punished for having more factors below one. Stop when `beam_size` translations have ended or
+# after `max_len` steps, and return the best one (without `<s>` and `</s>`) for each source row.
+# A beam of one is greedy decoding.
+
+# %% [exercise] transformer_course.encoder_decoder:beam_search difficulty=4 importance=3 minutes=40
+# hint: Decode one source row at a time: encode it once, and keep a (beams, length) tensor of
+#   live hypotheses with a (beams,) tensor of their scores, starting from `<s>` and 0.
+# hint: Each step: `log_softmax` of the last position's logits for every live beam, add each
+#   beam's score, flatten, take the top 2 * beam_size; `divmod(index, vocab)` gives the beam and
+#   the token.
+# hint: Walk the candidates best first: an end token moves its beam to the finished list (with
+#   the length-normalised score), anything else joins the next live set, until beam_size live.
+
+# %% [check]
+check_beam_search(beam_search)
+
+# %% [markdown]
+# ## Your translator
+#
+# Everything is in place: your embedding, blocks and model, your loss and schedule, your
+# decoding. Train the model on Tatoeba English→Spanish pairs of at most six words with the
+# course's training loop (`transformer_course.training.train`, chapter 5's shared loop), your
+# `label_smoothed_cross_entropy` as the loss and your `inverse_sqrt_lr` as the schedule. The
+# data pipeline comes from `transformer_course.translation`: one byte-level BPE vocabulary for
+# both languages, and batches of sentences of similar length. The test sentences were never
+# seen in training: the split is by English sentence. A few minutes of CPU training give rough
+# but recognisable Spanish; the book page trains longer.
+
+# %% [check] tags=nbval-ignore-output
+from transformer_course.training import TrainConfig, train
+from transformer_course.translation import (
+    BOS, EOS, PAD, PROFILES, LengthBatches, corpus_bleu, load_splits, model_config,
+    references_by_source, train_tokenizer,
+)
+
+setup = PROFILES["quick"]
+splits = load_splits(setup.max_words)
+tokenizer = train_tokenizer(splits["train"], setup.vocab_size)
+pad, bos, eos = (tokenizer.special_tokens[t] for t in (PAD, BOS, EOS))
+seed_everything(0)
+model = EncoderDecoderTransformer(model_config(setup, tokenizer))  # your class, your parts
+model.set_fast_attention(True)  # PyTorch's fused attention kernel: faster training
+
+
+def loss_fn(model, batch):
+    src, tgt_in, tgt_out = batch
+    logits = model(src, tgt_in)
+    return label_smoothed_cross_entropy(logits, tgt_out, smoothing=setup.label_smoothing, ignore_index=pad)
+
+
+def schedule(step):
+    return inverse_sqrt_lr(step, lr=setup.lr, warmup_steps=setup.warmup_steps)
+
+
+config = TrainConfig(
+    max_steps=pick(quick=1200, full=setup.max_steps), lr=setup.lr, lr_schedule=schedule,
+    betas=(0.9, 0.98), grad_clip=1.0, log_every=200, seed=setup.seed,
+)
+history = train(model, config, LengthBatches(tokenizer, splits["train"], setup.batch_size), loss_fn)
+model.set_fast_attention(False)
+
+# %% [markdown]
+# Translate sentences the model has never seen, with your greedy decoding and your beam search,
+# and score 300 test sentences with BLEU against every reference translation Tatoeba lists.
+
+
+# %% [check] tags=nbval-ignore-output
+def translate_with(decoder, sentences, **options):
+    src = pad_batch([tokenizer.encode(s) + [eos] for s in sentences], pad)
+    rows = decoder(model.eval(), src, bos_id=bos, eos_id=eos, max_len=model.cfg.max_len, **options)
+    return [tokenizer.decode(row) for row in rows]
+
+
+sources, references = references_by_source(splits["test"])
+sources, references = sources[:300], references[:300]
+greedy = translate_with(greedy_decode, sources)
+beam = translate_with(beam_search, sources[:8], beam_size=4)
+for source, g, b, refs in zip(sources[:8], greedy, beam, references):
+    print(f"{source}\n    greedy: {g}\n    beam 4: {b}\n    Tatoeba: {refs[0]}")
+print(f"test BLEU, greedy, 300 sentences: {corpus_bleu(greedy, references).score:.1f}")
