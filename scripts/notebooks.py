@@ -3,13 +3,18 @@
 A workbook source is `exercises/source/NN_topic.py`, in jupytext's percent format, with two extra
 cell kinds:
 
-    # %% [exercise] transformer_course.tokenization:merge
-    # hint: Walk left to right; after a merge skip both tokens of the pair.
+    # %% [exercise] transformer_course.tokenization:merge difficulty=2 importance=4 minutes=10
+    # hint: A nudge that names the idea, not the code.
+    # hint: A more specific hint; a line that starts with "#   " continues the hint above.
 
 is replaced by the real code of `merge` from `src/` in the solution workbook, and by the same
-signature and docstring with `raise NotImplementedError(hint)` in the exercise workbook. For a
-class, `# %% [exercise] transformer_course.layernorm:LayerNorm blank=forward` blanks only the
-named methods (`# hint forward: ...` gives a per-method hint).
+signature and docstring with a short `raise NotImplementedError("Exercise N.M: ...")` in the
+exercise workbook. For a class, `blank=forward[,method]` blanks only the named methods.
+
+Every exercise gets a header (difficulty and importance out of 5, expected minutes) above it
+and, below it, its graded hints and (in the exercise workbook) the reference solution, each in
+a collapsed `<details>` block, so the answer is one deliberate click away and never in an error
+message.
 
     # %% [check]
 
@@ -40,6 +45,9 @@ import nbformat
 ROOT = Path(__file__).resolve().parents[1]
 SOURCES = ROOT / "exercises" / "source"
 HEADER = re.compile(r"^# %%(?: \[(?P<kind>[a-z]+)\])?(?P<rest>.*)$")
+HINT = re.compile(r"^#\s*hint:\s*(?P<text>.+)$")
+HINT_CONTINUATION = re.compile(r"^#\s{2,}(?P<text>\S.*)$")
+RATINGS = ("difficulty", "importance")  # each 1..5, as ARENA's exercise headers
 COLAB_CELL = """\
 # On Colab, install the course package first (elsewhere this cell does nothing).
 import sys
@@ -56,6 +64,7 @@ class SourceCell:
     target: str = ""
     blank: list[str] = field(default_factory=list)
     tags: list[str] = field(default_factory=list)
+    meta: dict[str, int] = field(default_factory=dict)  # difficulty, importance, minutes
 
 
 def parse_source(path: Path) -> list[SourceCell]:
@@ -79,14 +88,28 @@ def parse_source(path: Path) -> list[SourceCell]:
                 cell.tags += word.removeprefix("tags=").split(",")
             elif word.startswith("blank="):
                 cell.blank += word.removeprefix("blank=").split(",")
+            elif kind == "exercise" and word.partition("=")[0] in (*RATINGS, "minutes"):
+                key, _, value = word.partition("=")
+                cell.meta[key] = _rating(path, number, key, value)
             elif kind == "exercise" and not cell.target:
                 cell.target = word
             else:
                 raise ValueError(f"{path}:{number}: unexpected {word!r} in cell header")
         if kind == "exercise" and not cell.target:
             raise ValueError(f"{path}:{number}: [exercise] needs a target such as module:function")
+        missing = [key for key in (*RATINGS, "minutes") if kind == "exercise" and key not in cell.meta]
+        if missing:
+            raise ValueError(f"{path}:{number}: [exercise] needs {'=N '.join(missing)}=N")
         cells.append(cell)
     return cells
+
+
+def _rating(path: Path, number: int, key: str, value: str) -> int:
+    """A header's `difficulty=`, `importance=` (1..5) or `minutes=` (1..120) value."""
+    top = 5 if key in RATINGS else 120
+    if not value.isdigit() or not 1 <= int(value) <= top:
+        raise ValueError(f"{path}:{number}: {key} must be an integer from 1 to {top}, got {value!r}")
+    return int(value)
 
 
 def _strip(lines: list[str]) -> str:
@@ -98,17 +121,20 @@ def _markdown(lines: list[str]) -> str:
     return _strip([line[2:] if line.startswith("# ") else line.lstrip("#") for line in lines])
 
 
-def _hints(cell: SourceCell) -> dict[str, str]:
-    """`# hint: text` (for every blank) and `# hint name: text` (for one method)."""
-    hints = {}
+def hints(cell: SourceCell) -> list[str]:
+    """The exercise's graded hints, in order: `# hint: text` lines (continued by `#   more`)."""
+    found: list[str] = []
     for line in cell.lines:
-        match = re.match(r"^#\s*hint(?:\s+(\w+))?:\s*(.+)$", line.strip())
-        if match is None:
-            if line.strip():
-                raise ValueError(f"[exercise] {cell.target}: only '# hint ...' lines belong here, got {line!r}")
-            continue
-        hints[match[1] or "*"] = match[2]
-    return hints
+        hint, more = HINT.match(line.strip()), HINT_CONTINUATION.match(line.rstrip())
+        if hint is not None:
+            found.append(hint["text"])
+        elif more is not None and found:
+            found[-1] += " " + more["text"]
+        elif line.strip():
+            raise ValueError(f"[exercise] {cell.target}: only '# hint: ...' lines belong here, got {line!r}")
+    if not found:
+        raise ValueError(f"[exercise] {cell.target}: give at least one '# hint: ...'")
+    return found
 
 
 def resolve(target: str) -> object:
@@ -119,23 +145,28 @@ def resolve(target: str) -> object:
     return obj
 
 
-def blank_out(source: str, names: list[str], hints: dict[str, str]) -> str:
-    """Replace the bodies of the named functions in `source` with `raise NotImplementedError`.
-
-    The signature, decorators and docstring are kept exactly as written in src.
-    """
-    lines = source.splitlines()
-    tree = ast.parse(source)
+def _functions(source: str, names: list[str]) -> list[ast.FunctionDef | ast.AsyncFunctionDef]:
+    """The named functions or methods of `source`, in the order they are written."""
     functions = {
         node.name: node
-        for node in ast.walk(tree)
+        for node in ast.walk(ast.parse(source))
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
     }
     for name in names:
         if name not in functions:
             raise ValueError(f"blank={name}: no function or method of that name in the target")
+    return sorted((functions[n] for n in names), key=lambda node: node.lineno)
+
+
+def blank_out(source: str, names: list[str], label: str) -> str:
+    """Replace the bodies of the named functions in `source` with `raise NotImplementedError`.
+
+    The signature, decorators and docstring are kept exactly as written in src; the error
+    names the exercise and nothing more.
+    """
+    lines = source.splitlines()
     # Work bottom-up so earlier line numbers stay valid.
-    for node in sorted((functions[n] for n in names), key=lambda n: n.lineno, reverse=True):
+    for node in reversed(_functions(source, names)):
         body = node.body
         has_docstring = (
             isinstance(body[0], ast.Expr)
@@ -146,23 +177,72 @@ def blank_out(source: str, names: list[str], hints: dict[str, str]) -> str:
         if has_docstring and len(body) == 1:
             raise ValueError(f"blank={node.name}: the function has nothing but a docstring")
         indent = re.match(r"\s*", lines[first.lineno - 1])[0]
-        hint = hints.get(node.name, hints.get("*", f"implement {node.name}"))
         start = body[0].end_lineno if has_docstring else body[0].lineno - 1
         end = node.end_lineno
-        lines[start:end] = [f"{indent}raise NotImplementedError({hint!r})"]
+        lines[start:end] = [f"{indent}raise NotImplementedError({label!r})"]
     return "\n".join(lines)
 
 
-def exercise_code(cell: SourceCell, *, solution: bool) -> str:
+def target_source(cell: SourceCell) -> str:
+    """The real code of an exercise's target, as written in src."""
     obj = resolve(cell.target)
-    source = textwrap.dedent(inspect.getsource(obj)).rstrip("\n")
-    if solution:
-        return source
-    hints = _hints(cell)
-    names = cell.blank or [cell.target.rpartition(":")[2].rpartition(".")[2]]
     if inspect.isclass(obj) and not cell.blank:
         raise ValueError(f"[exercise] {cell.target}: a class needs blank=method[,method]")
-    return blank_out(source, names, hints)
+    return textwrap.dedent(inspect.getsource(obj)).rstrip("\n")
+
+
+def blanked_names(cell: SourceCell) -> list[str]:
+    return cell.blank or [cell.target.rpartition(":")[2].rpartition(".")[2]]
+
+
+def exercise_label(cell: SourceCell, number: str) -> str:
+    """What a blank says: the exercise and what to write, never how."""
+    owner = cell.target.rpartition(":")[2]
+    parts = [f"{owner}.{name}" if cell.blank else owner for name in blanked_names(cell)]
+    return f"Exercise {number}: write {' and '.join(parts)} (hints below the cell)"
+
+
+def exercise_code(cell: SourceCell, number: str, *, solution: bool) -> str:
+    source = target_source(cell)
+    if solution:
+        return source
+    return blank_out(source, blanked_names(cell), exercise_label(cell, number))
+
+
+def exercise_header(cell: SourceCell, number: str) -> str:
+    """ARENA-style header: difficulty and importance as five dots each, and expected minutes."""
+    dots = {key: "●" * cell.meta[key] + "○" * (5 - cell.meta[key]) for key in RATINGS}
+    return (
+        f"> **Exercise {number}** · difficulty {dots['difficulty']} · "
+        f"importance {dots['importance']} · about {cell.meta['minutes']} minutes"
+    )
+
+
+def solution_text(cell: SourceCell) -> str:
+    """The reference code of just the blanked functions or methods."""
+    source = target_source(cell)
+    if not cell.blank:
+        return source
+    lines = source.splitlines()
+    methods = []
+    for node in _functions(source, cell.blank):
+        first = min([node.lineno, *(d.lineno for d in node.decorator_list)])
+        methods.append(textwrap.dedent("\n".join(lines[first - 1 : node.end_lineno])))
+    return "\n\n".join(methods)
+
+
+def help_cell(cell: SourceCell, *, solution: bool) -> str:
+    """The collapsed hints, and in the exercise workbook the collapsed reference solution."""
+    blocks = [
+        f"<details><summary>Hint {index}</summary>\n\n{text}\n\n</details>"
+        for index, text in enumerate(hints(cell), start=1)
+    ]
+    if not solution:
+        blocks.append(
+            "<details><summary>Solution (the course's implementation)</summary>\n\n"
+            f"```python\n{solution_text(cell)}\n```\n\n</details>"
+        )
+    return "\n".join(blocks)
 
 
 def build(source: Path, *, solution: bool, repo_url: str | None) -> nbformat.NotebookNode:
@@ -173,6 +253,8 @@ def build(source: Path, *, solution: bool, repo_url: str | None) -> nbformat.Not
         "language_info": {"name": "python"},
     }
     cells = parse_source(source)
+    chapter = int(source.stem.split("_")[0])
+    exercises = 0
     if repo_url:
         colab = nbformat.v4.new_code_cell(COLAB_CELL.format(repo=repo_url))
         colab.metadata["tags"] = ["colab"]
@@ -181,7 +263,10 @@ def build(source: Path, *, solution: bool, repo_url: str | None) -> nbformat.Not
         if cell.kind == "markdown":
             new = nbformat.v4.new_markdown_cell(_markdown(cell.lines))
         elif cell.kind == "exercise":
-            new = nbformat.v4.new_code_cell(exercise_code(cell, solution=solution))
+            exercises += 1
+            number = f"{chapter}.{exercises}"
+            notebook.cells.append(nbformat.v4.new_markdown_cell(exercise_header(cell, number)))
+            new = nbformat.v4.new_code_cell(exercise_code(cell, number, solution=solution))
         else:
             new = nbformat.v4.new_code_cell(_strip(cell.lines))
         tags = list(cell.tags)
@@ -190,6 +275,8 @@ def build(source: Path, *, solution: bool, repo_url: str | None) -> nbformat.Not
         if tags:
             new.metadata["tags"] = tags
         notebook.cells.append(new)
+        if cell.kind == "exercise":
+            notebook.cells.append(nbformat.v4.new_markdown_cell(help_cell(cell, solution=solution)))
     # Stable ids keep regenerated notebooks byte-identical.
     for index, cell in enumerate(notebook.cells):
         cell["id"] = f"cell-{index:03d}"

@@ -91,6 +91,10 @@ def test_sdpa_bugs(bug, word):
     assert word in str(info.value)
 
 
+def _plus(x, bias):
+    return x if bias is None else x + bias
+
+
 class BuggyMHA(MultiHeadAttention):
     """A complete multi-head attention with one switchable bug."""
 
@@ -104,9 +108,9 @@ class BuggyMHA(MultiHeadAttention):
 
     def forward(self, x, context=None, mask=None):
         context = x if context is None else context
-        q = self.hook_q(einops.einsum(x, self.W_Q, "b p m, h m d -> b p h d") + self.b_Q)
-        k = self.hook_k(einops.einsum(context, self.W_K, "b p m, h m d -> b p h d") + self.b_K)
-        v = self.hook_v(einops.einsum(context, self.W_V, "b p m, h m d -> b p h d") + self.b_V)
+        q = self.hook_q(_plus(einops.einsum(x, self.W_Q, "b p m, h m d -> b p h d"), self.b_Q))
+        k = self.hook_k(_plus(einops.einsum(context, self.W_K, "b p m, h m d -> b p h d"), self.b_K))
+        v = self.hook_v(_plus(einops.einsum(context, self.W_V, "b p m, h m d -> b p h d"), self.b_V))
         scores = einops.einsum(q, k, "b q h d, b k h d -> b h q k")
         if self.bug != "no_scale":
             scores = scores / math.sqrt(self.d_head)
@@ -120,7 +124,7 @@ class BuggyMHA(MultiHeadAttention):
         pattern = self.hook_pattern(pattern)
         z = self.hook_z(einops.einsum(pattern, v, "b h q k, b k h d -> b q h d"))
         order = "b q h d -> b q (d h)" if self.bug == "concat_order" else "b q h d -> b q (h d)"
-        return einops.rearrange(z, order) @ einops.rearrange(self.W_O, "h d m -> (h d) m") + self.b_O
+        return einops.rearrange(z, order) @ einops.rearrange(self.W_O, "h d m -> (h d) m") + (0 if self.b_O is None else self.b_O)
 
 
 def buggy(bug):

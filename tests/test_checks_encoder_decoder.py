@@ -9,7 +9,11 @@ import torch
 
 from transformer_course.checks import CheckFailure
 from transformer_course.checks.encoder_decoder import (
+    check_beam_search,
     check_decoder_block,
+    check_encoder_block,
+    check_encoder_decoder,
+    check_inverse_sqrt_lr,
     check_greedy_decode,
     check_label_smoothing,
     check_positional_encoding,
@@ -17,11 +21,16 @@ from transformer_course.checks.encoder_decoder import (
 )
 from transformer_course.encoder_decoder import (
     DecoderBlock,
+    EncoderBlock,
+    EncoderDecoderTransformer,
+    beam_search,
     TokenEmbedding,
     greedy_decode,
     label_smoothed_cross_entropy,
     sinusoidal_positional_encoding,
 )
+from transformer_course.masking import causal_mask
+from transformer_course.training import inverse_sqrt_lr
 
 
 def blank(*args, **kwargs):
@@ -148,3 +157,192 @@ def test_greedy_decode_bugs_are_caught():
 
     with pytest.raises(CheckFailure, match="max_len=5"):
         check_greedy_decode(ignores_max_len)
+
+
+# ---- families: train mode and dropout, optional arguments, rows that differ, numerics ----------
+
+def test_dropout_in_the_wrong_place_or_left_on_in_eval_mode_is_caught():
+    def before_positions(self, tokens):
+        x = self.dropout(self.W_E[tokens] * math.sqrt(self.d_model))
+        return x + sinusoidal_positional_encoding(tokens.shape[-1], self.d_model, dtype=x.dtype)
+
+    with pytest.raises(CheckFailure, match="train mode, dropout on"):
+        check_token_embedding(type("EarlyDropout", (TokenEmbedding,), {"forward": before_positions}))
+
+    def always_dropout(self, tokens):
+        x = self.W_E[tokens] * math.sqrt(self.d_model)
+        pe = sinusoidal_positional_encoding(tokens.shape[-1], self.d_model, dtype=x.dtype)
+        return torch.nn.functional.dropout(x + pe, self.dropout.p)  # training=True by default
+
+    with pytest.raises(CheckFailure, match="eval mode"):
+        check_token_embedding(type("AlwaysDropout", (TokenEmbedding,), {"forward": always_dropout}))
+
+
+def test_a_decoder_block_without_dropout_on_one_sublayer_is_caught():
+    def forward(self, x, memory, tgt_mask, src_mask):
+        if self.pre_norm:
+            return DecoderBlock.forward(self, x, memory, tgt_mask, src_mask)
+        x = self.ln1(x + self.dropout(self.self_attn(x, mask=tgt_mask)))
+        x = self.ln2(x + self.cross_attn(x, context=memory, mask=src_mask))  # no dropout
+        return self.ln3(x + self.dropout(self.mlp(x)))
+
+    with pytest.raises(CheckFailure, match=r"norm='post', dropout=0.3.*train mode") as info:
+        check_decoder_block(type("MissingDropout", (DecoderBlock,), {"forward": forward}))
+    assert "three times" in str(info.value)
+
+
+def test_softmax_then_log_is_caught_on_confident_logits():
+    def softmax_log(logits, targets, *, smoothing=0.1, ignore_index=None):
+        log_probs = logits.softmax(-1).log()
+        nll = -log_probs.gather(-1, targets[..., None]).squeeze(-1)
+        loss = (1 - smoothing) * nll + smoothing * -log_probs.mean(-1)
+        keep = torch.ones_like(targets, dtype=torch.bool) if ignore_index is None else targets != ignore_index
+        return (loss * keep).sum() / keep.sum()
+
+    with pytest.raises(CheckFailure, match="log_softmax"):
+        check_label_smoothing(softmax_log)
+
+
+def test_an_ignore_index_that_must_be_given_is_caught():
+    def needs_ignore_index(logits, targets, *, smoothing=0.1, ignore_index=None):
+        return torch.nn.functional.cross_entropy(
+            logits.flatten(0, 1), targets.flatten(), label_smoothing=smoothing, ignore_index=ignore_index
+        )
+
+    with pytest.raises(CheckFailure, match="ignore_index left at its default"):
+        check_label_smoothing(needs_ignore_index)
+
+
+def test_greedy_decoding_that_stops_with_the_first_finished_row_is_caught():
+    def stops_early(model, src, *, bos_id, eos_id, max_len):
+        memory, mask = model.encode(src), model.src_mask(src)
+        ys = torch.full((src.shape[0], 1), bos_id)
+        for _ in range(max_len):
+            next_token = model.decode(ys, memory, mask)[:, -1].argmax(-1)
+            if (next_token == eos_id).any():  # the bug: one finished row ends every row
+                break
+            ys = torch.cat([ys, next_token[:, None]], dim=1)
+        return ys[:, 1:].tolist()
+
+    with pytest.raises(CheckFailure, match="every row"):
+        check_greedy_decode(stops_early)
+
+
+def test_valid_alternatives_pass():
+    """A loss written with `F.cross_entropy` and a greedy loop over rows one at a time."""
+
+    def with_cross_entropy(logits, targets, *, smoothing=0.1, ignore_index=None):
+        return torch.nn.functional.cross_entropy(
+            logits.flatten(0, 1), targets.flatten(), label_smoothing=smoothing,
+            ignore_index=-100 if ignore_index is None else ignore_index,
+        )
+
+    def row_by_row(model, src, *, bos_id, eos_id, max_len):
+        rows = []
+        for row in range(src.shape[0]):
+            one = src[row : row + 1]
+            memory, mask, ys = model.encode(one), model.src_mask(one), [bos_id]
+            while len(ys) <= max_len:
+                next_id = model.decode(torch.tensor([ys]), memory, mask)[0, -1].argmax().item()
+                if next_id == eos_id:
+                    break
+                ys.append(next_id)
+            rows.append(ys[1:])
+        return rows
+
+    check_label_smoothing(with_cross_entropy)
+    check_greedy_decode(row_by_row)
+
+
+# ---- new exercises: the encoder block, the assembled model, the schedule, beam search ----------
+
+
+def test_new_references_pass(capsys):
+    check_encoder_block(EncoderBlock)
+    check_encoder_decoder(EncoderDecoderTransformer)
+    check_inverse_sqrt_lr(inverse_sqrt_lr)
+    check_beam_search(beam_search)
+    assert capsys.readouterr().out.count("passes every check") == 4
+
+
+def test_encoder_block_bugs_are_named():
+    def unmasked(self, x, src_mask):
+        return EncoderBlock.forward(self, x, None)
+
+    with pytest.raises(CheckFailure, match="source padding is visible"):
+        check_encoder_block(type("Unmasked", (EncoderBlock,), {"forward": unmasked}))
+
+    def always_pre(self, x, src_mask):
+        x = x + self.dropout(self.attn(self.ln1(x), mask=src_mask))
+        return x + self.dropout(self.mlp(self.ln2(x)))
+
+    with pytest.raises(CheckFailure, match="this is pre-LN"):
+        check_encoder_block(type("AlwaysPre", (EncoderBlock,), {"forward": always_pre}))
+
+
+def test_encoder_decoder_bugs_are_named():
+    def no_final_norm(self, src):
+        x = self.src_embed(src)
+        for block in self.encoder:
+            x = block(x, self.src_mask(src))
+        return x
+
+    with pytest.raises(CheckFailure, match="ln_enc"):
+        check_encoder_decoder(type("NoFinalNorm", (EncoderDecoderTransformer,), {"encode": no_final_norm}))
+
+    def causal_only(self, tgt, memory, src_mask):
+        x = self.tgt_embed(tgt)
+        for block in self.decoder:
+            x = block(x, memory, causal_mask(tgt.shape[1]), src_mask)
+        if self.cfg.norm == "pre":
+            x = self.ln_dec(x)
+        W_U = self.tgt_embed.W_E.T if self.cfg.tie_embeddings else self.W_U
+        return x @ W_U + self.b_U
+
+    with pytest.raises(CheckFailure, match="target padding mask"):
+        check_encoder_decoder(type("CausalOnly", (EncoderDecoderTransformer,), {"decode": causal_only}))
+
+
+def test_schedule_bugs_are_named():
+    with pytest.raises(CheckFailure, match="square root of the step"):
+        check_inverse_sqrt_lr(lambda step, *, lr, warmup_steps: lr * min((step + 1) / warmup_steps,
+                                                                           warmup_steps / (step + 1)))
+    with pytest.raises(CheckFailure, match="steps count from 0"):
+        check_inverse_sqrt_lr(lambda step, *, lr, warmup_steps: lr * min(step / warmup_steps,
+                                                                           math.sqrt(warmup_steps / max(step, 1))))
+
+
+def test_beam_search_that_is_greedy_or_shares_beams_across_rows_is_caught():
+    with pytest.raises(CheckFailure, match="greedy translations"):
+        check_beam_search(lambda model, src, *, bos_id, eos_id, max_len, beam_size=4:
+                          greedy_decode(model, src, bos_id=bos_id, eos_id=eos_id, max_len=max_len))
+
+    def first_row_only(model, src, *, bos_id, eos_id, max_len, beam_size=4):
+        best = beam_search(model, src[:1], bos_id=bos_id, eos_id=eos_id, max_len=max_len, beam_size=beam_size)
+        return best * src.shape[0]
+
+    with pytest.raises(CheckFailure, match="its own beams"):
+        check_beam_search(first_row_only)
+
+
+def test_an_exhaustive_search_passes_as_a_beam_search():
+    """Scoring every full hypothesis up to max_len is a valid (slow) alternative on small trees."""
+
+    def exhaustive(model, src, *, bos_id, eos_id, max_len, beam_size=4):
+        if beam_size == 1:
+            return greedy_decode(model, src, bos_id=bos_id, eos_id=eos_id, max_len=max_len)
+        rows = []
+        for row in src:
+            memory, mask = model.encode(row[None]), model.src_mask(row[None])
+            live, done = [([bos_id], 0.0)], []
+            for _ in range(max_len):
+                grown = []
+                for ids, score in live:
+                    log_probs = model.decode(torch.tensor([ids]), memory, mask)[0, -1].log_softmax(-1)
+                    for token, lp in enumerate(log_probs.tolist()):
+                        (done if token == eos_id else grown).append((ids[1:] if token == eos_id else ids + [token], score + lp))
+                live = sorted(grown, key=lambda item: -item[1])[:beam_size]
+            rows.append(max(done, key=lambda item: item[1])[0])
+        return rows
+
+    check_beam_search(exhaustive)

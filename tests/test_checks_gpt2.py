@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from transformer_course.blocks import MLP
+from transformer_course.blocks import ACTIVATIONS, MLP, TransformerBlock
 from transformer_course.checks import CheckFailure
 from transformer_course.checks.gpt2 import (
     check_embed,
@@ -18,9 +18,11 @@ from transformer_course.checks.gpt2 import (
     check_gpt2_forward,
     check_mlp,
     check_pos_embed,
+    check_transformer_block,
     check_unembed,
 )
 from transformer_course.gpt2 import GPT2, Embed, PosEmbed, Unembed, generate
+from transformer_course.masking import causal_mask, combine_masks
 
 
 def fails(check, candidate, *words: str) -> None:
@@ -224,3 +226,157 @@ def test_generate_rejects_division_by_zero_temperature():
         return tokens
 
     fails(check_generate, divides, "greedy")
+
+
+# Families: hooks, optional arguments, dropout in train and eval mode, rows that differ.
+
+
+class FixedGeluMLP(MLP):
+    """Ignores `act_fn`: always gelu_new."""
+
+    def forward(self, x):
+        pre = self.hook_pre(x @ self.W_in + self.b_in)
+        return self.hook_post(F.gelu(pre, approximate="tanh")) @ self.W_out + self.b_out
+
+
+class UnhookedMLP(MLP):
+    def forward(self, x):
+        pre = self.hook_pre(x @ self.W_in + self.b_in)
+        return ACTIVATIONS[self.act_fn](pre) @ self.W_out + self.b_out
+
+
+def test_mlp_rejects_an_ignored_act_fn_and_a_missing_hook():
+    fails(check_mlp, FixedGeluMLP, "act_fn='relu'", "ACTIVATIONS[self.act_fn]")
+    fails(check_mlp, UnhookedMLP, "hook_post", "never received")
+
+
+class UnhookedGPT2(GPT2):
+    def forward(self, tokens):
+        residual = self.dropout(self.embed(tokens) + self.pos_embed(tokens))
+        for block in self.blocks:
+            residual = block(residual)
+        return self.unembed(self.ln_final(residual))
+
+
+class LateDropoutGPT2(GPT2):
+    def forward(self, tokens):
+        residual = self.hook_embed(self.embed(tokens)) + self.hook_pos_embed(self.pos_embed(tokens))
+        for block in self.blocks:
+            residual = block(residual)
+        return self.unembed(self.ln_final(self.dropout(residual)))
+
+
+def test_gpt2_forward_rejects_missing_hooks_and_misplaced_dropout():
+    fails(check_gpt2_forward, UnhookedGPT2, "hook_embed", "never received")
+    fails(check_gpt2_forward, LateDropoutGPT2, "train mode", "before the blocks")
+
+
+def test_generate_rejects_a_top_k_threshold_taken_from_the_first_row():
+    @torch.no_grad()
+    def first_row_threshold(model, tokens, max_new_tokens, *, temperature=1.0, top_k=None):
+        for _ in range(max_new_tokens):
+            logits = model(tokens[:, -model.cfg.n_ctx :])[:, -1]
+            if temperature == 0:
+                next_token = logits.argmax(-1, keepdim=True)
+            else:
+                logits = logits / temperature
+                if top_k is not None:
+                    threshold = logits[0].topk(top_k).values[-1]  # the bug: row 0's k-th largest
+                    logits = logits.masked_fill(logits < threshold, -math.inf)
+                next_token = torch.multinomial(logits.softmax(-1), 1)
+            tokens = torch.cat([tokens, next_token], dim=1)
+        return tokens
+
+    fails(check_generate, first_row_threshold, "four different prompts", "each row")
+
+
+def test_generate_alternatives_pass():
+    """Top-k by scattering the kept logits into -inf, and sampling with a Gumbel-max trick."""
+
+    @torch.no_grad()
+    def scatter_gumbel(model, tokens, max_new_tokens, *, temperature=1.0, top_k=None, generator=None):
+        for _ in range(max_new_tokens):
+            logits = model(tokens[:, -model.cfg.n_ctx :])[:, -1]
+            if temperature == 0:
+                next_token = logits.argmax(-1, keepdim=True)
+            else:
+                logits = logits / temperature
+                if top_k is not None:
+                    values, indices = logits.topk(top_k, dim=-1)
+                    logits = torch.full_like(logits, -math.inf).scatter(-1, indices, values)
+                uniform = torch.rand(logits.shape, generator=generator)
+                gumbel = -torch.log(-torch.log(uniform))
+                next_token = (logits + gumbel).argmax(-1, keepdim=True)
+            tokens = torch.cat([tokens, next_token], dim=1)
+        return tokens
+
+    check_generate(scatter_gumbel)
+
+
+def test_generate_rejects_an_ignored_generator():
+    @torch.no_grad()
+    def global_rng(model, tokens, max_new_tokens, *, temperature=1.0, top_k=None, generator=None):
+        return generate(model, tokens, max_new_tokens, temperature=temperature, top_k=top_k)
+
+    fails(check_generate, global_rng, "same generator seed", "generator=generator")
+
+
+# The transformer block.
+
+
+def block_with(forward):
+    return type("LearnerBlock", (TransformerBlock,), {"forward": forward})
+
+
+def _sublayers(self, resid, mask, *, causal=True, pre_ln=True, keep_stream=True, residual=True, drop=True):
+    """A block forward pass with one knob turned wrong at a time."""
+    if causal:
+        mask = combine_masks(causal_mask(resid.shape[1]), mask)
+    dropout = self.dropout if drop else (lambda t: t)
+    resid = self.hook_resid_pre(resid)
+    if pre_ln if self.norm == "pre" else not pre_ln:
+        stream = resid if keep_stream else self.ln1(resid)
+        attn_out = self.hook_attn_out(dropout(self.attn(self.ln1(resid), mask=mask)))
+        resid = self.hook_resid_mid((stream if residual else 0) + attn_out)
+        mlp_out = self.hook_mlp_out(dropout(self.mlp(self.ln2(resid))))
+        return self.hook_resid_post((resid if residual else 0) + mlp_out)
+    attn_out = self.hook_attn_out(dropout(self.attn(resid, mask=mask)))
+    resid = self.hook_resid_mid(self.ln1(resid + attn_out))
+    mlp_out = self.hook_mlp_out(dropout(self.mlp(resid)))
+    return self.hook_resid_post(self.ln2(resid + mlp_out))
+
+
+@pytest.mark.parametrize(
+    ("knob", "words"),
+    [
+        ({"causal": False}, ["causal_mask"]),
+        ({"pre_ln": False}, ["this is post-LN"]),
+        ({"keep_stream": False}, ["residual stream itself"]),
+        ({"residual": False}, ["a residual connection is missing"]),
+        ({"drop": False}, ["dropout=0.3", "train mode"]),
+    ],
+)
+def test_transformer_block_bugs_are_named(knob, words):
+    fails(check_transformer_block, block_with(lambda self, resid, mask=None: _sublayers(self, resid, mask, **knob)),
+          *words)
+
+
+def test_transformer_block_that_ignores_its_mask_or_hooks_is_caught():
+    fails(check_transformer_block, block_with(lambda self, resid, mask=None: _sublayers(self, resid, None)),
+          "a padding mask", "ignored")
+
+    def unhooked(self, resid, mask=None):
+        mask = combine_masks(causal_mask(resid.shape[1]), mask)
+        resid = resid + self.dropout(self.attn(self.ln1(resid), mask=mask))
+        return resid + self.dropout(self.mlp(self.ln2(resid)))
+
+    fails(check_transformer_block, block_with(unhooked), "hook_resid_pre", "never received")
+
+
+def test_transformer_block_reference_and_blank():
+    check_transformer_block(TransformerBlock)
+
+    def blank(self, resid, mask=None):
+        raise NotImplementedError("Exercise 6.5: write TransformerBlock.forward")
+
+    fails(check_transformer_block, block_with(blank), "not implemented", "Exercise 6.5")

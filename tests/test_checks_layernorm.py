@@ -29,13 +29,66 @@ def test_reference_rmsnorm_passes(capsys):
     assert "✓ RMSNorm passes every check" in capsys.readouterr().out
 
 
-def test_torch_module_under_our_names_passes():
-    """An independent correct implementation (PyTorch's) passes too: the checker is not ours-only."""
+def test_valid_alternatives_pass():
+    """Other correct implementations pass: `torch.var_mean` with `rsqrt`, one that upcasts half
+    precision to float32 and casts back, and an RMSNorm written with `reciprocal`."""
 
-    def forward(self, x):
+    def var_mean(self, x):
+        var, mean = torch.var_mean(x, dim=-1, keepdim=True, correction=0)
+        self.hook_scale(torch.sqrt(var + self.eps))
+        return self.hook_normalized((x - mean) * torch.rsqrt(var + self.eps)) * self.w + self.b
+
+    def upcast_half(self, x):
+        y = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
+        centred = y - y.mean(-1, keepdim=True)
+        std = self.hook_scale(centred.pow(2).mean(-1, keepdim=True).add(self.eps).sqrt())
+        return (self.hook_normalized(centred / std) * self.w + self.b).to(x.dtype)
+
+    check_layernorm(layernorm_with(var_mean))
+    check_layernorm(layernorm_with(upcast_half))
+    check_rmsnorm(rmsnorm_with(lambda self, x: self.hook_normalized(
+        x * self.hook_scale(x.pow(2).mean(-1, keepdim=True).add(self.eps).sqrt()).reciprocal()) * self.w))
+
+
+def test_a_failure_names_the_dtype_the_check_used():
+    """The checker feeds float64; an implementation that always drops to float32 misses its
+    tolerance, and the message says the check ran in float64."""
+
+    def float32_always(self, x):
+        y = x.float()
+        centred = y - y.mean(-1, keepdim=True)
+        std = self.hook_scale(centred.pow(2).mean(-1, keepdim=True).add(self.eps).sqrt())
+        return (self.hook_normalized(centred / std) * self.w.float() + self.b.float()).to(x.dtype)
+
+    with pytest.raises(CheckFailure, match="float64 output"):
+        check_layernorm(layernorm_with(float32_always))
+
+
+def test_missing_or_misfed_hooks_are_named():
+    def no_hooks(self, x):
         return torch.nn.functional.layer_norm(x, (self.d_model,), self.w, self.b, eps=self.eps)
 
-    check_layernorm(layernorm_with(forward))
+    with pytest.raises(CheckFailure, match="hook_scale.*never received"):
+        check_layernorm(layernorm_with(no_hooks))
+
+    def normalized_after_affine(self, x):
+        centred = x - x.mean(-1, keepdim=True)
+        std = self.hook_scale((centred.pow(2).mean(-1, keepdim=True) + self.eps).sqrt())
+        return self.hook_normalized(centred / std * self.w + self.b)
+
+    with pytest.raises(CheckFailure, match=r"hook_normalized(.|\n)*before w and b"):
+        check_layernorm(layernorm_with(normalized_after_affine))
+
+
+def test_one_pass_variance_fails_at_a_large_offset():
+    def one_pass(self, x):
+        mean = x.mean(-1, keepdim=True)
+        std = self.hook_scale(((x * x).mean(-1, keepdim=True) - mean * mean + self.eps).sqrt())
+        return self.hook_normalized((x - mean) / std) * self.w + self.b
+
+    with pytest.raises(CheckFailure, match="two passes") as info:
+        check_layernorm(layernorm_with(one_pass))
+    assert "mean 10000" in str(info.value)
 
 
 def test_blank_fails_with_its_hint():

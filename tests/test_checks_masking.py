@@ -29,19 +29,19 @@ def test_blank_fails_with_its_hint(checker):
 
 
 def _causal(diagonal_shift=0, *, max_len=None, dtype=torch.bool, invert=False):
-    def causal(q_len, k_len=None):
+    def causal(q_len, k_len=None, *, device=None):
         k_len = q_len if k_len is None else k_len
         if max_len is not None:  # build once for a maximum length, then slice
             mask = torch.ones(max_len, max_len, dtype=torch.bool).tril()[:q_len, :k_len]
         else:
             mask = torch.ones(q_len, k_len, dtype=torch.bool).tril(k_len - q_len + diagonal_shift)
         mask = ~mask if invert else mask
-        return mask.to(dtype)
+        return mask.to(dtype=dtype, device=device)
     return causal
 
 
-def _causal_max_shape(q_len, k_len=None):
-    return torch.ones(16, 16, dtype=torch.bool).tril()
+def _causal_max_shape(q_len, k_len=None, *, device=None):
+    return torch.ones(16, 16, dtype=torch.bool, device=device).tril()
 
 
 @pytest.mark.parametrize(

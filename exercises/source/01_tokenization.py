@@ -36,33 +36,39 @@ seed_everything(0)
 print(describe())
 
 # %% [markdown]
-# ## Exercise 1: `get_pair_counts`
+# ## Exercise 1.1: `get_pair_counts`
 #
 # Count each pair of neighbours: `[1, 2, 3, 1, 2]` has `(1, 2)` twice and `(2, 3)`, `(3, 1)`
 # once. Training counts pairs over many chunks of text and a chunk that occurs 3 times counts
 # 3 times, so the function adds `weight` per occurrence to the dict `counts` it is given.
 
-# %% [exercise] transformer_course.tokenization:get_pair_counts
-# hint: for pair in zip(ids, ids[1:]): add weight to counts[pair] (start counts as {} when None)
+# %% [exercise] transformer_course.tokenization:get_pair_counts difficulty=1 importance=3 minutes=5
+# hint: Neighbouring pairs are what you get by walking `ids` and its copy shifted by one side by
+#   side.
+# hint: `zip(ids, ids[1:])` yields every neighbouring pair once. Each occurrence adds `weight`, not
+#   1, and `counts` may arrive already filled (or be `None`).
 
 # %% [check]
 check_get_pair_counts(get_pair_counts)
 
 # %% [markdown]
-# ## Exercise 2: `merge_pair`
+# ## Exercise 1.2: `merge_pair`
 #
 # Replace the pair by `new_id`, scanning left to right. Occurrences of a pair can overlap:
 # in `[a, a, a]` the pair `(a, a)` starts at 0 and at 1, but the middle `a` can only belong to
 # one token, so the answer is `[X, a]`, never `[X, X]`.
 
-# %% [exercise] transformer_course.tokenization:merge_pair
-# hint: keep an index i; if ids[i], ids[i + 1] is the pair, append new_id and add 2 to i, else append ids[i] and add 1
+# %% [exercise] transformer_course.tokenization:merge_pair difficulty=2 importance=4 minutes=10
+# hint: Build a new list while scanning with an index you move yourself, rather than a `for` loop
+#   over positions: after a merge you must skip a position.
+# hint: At index `i`: if `ids[i]` and `ids[i + 1]` form the pair, emit `new_id` and move two places;
+#   otherwise emit `ids[i]` and move one. Mind the last element.
 
 # %% [check]
 check_merge_pair(merge_pair)
 
 # %% [markdown]
-# ## Exercise 3: `train_merges`
+# ## Exercise 1.3: `train_merges`
 #
 # The input is every distinct chunk of training text (as bytes) with how often it occurs; the
 # output is `{pair: new_id}` in the order the merges were learned. The simplest correct loop:
@@ -71,8 +77,13 @@ check_merge_pair(merge_pair)
 # recounting (only chunks that contain the merged pair change), which is what makes training
 # on a whole book fast; the simple loop passes the check too. Ties may go either way.
 
-# %% [exercise] transformer_course.tokenization:train_merges
-# hint: chunks = [list(c) for c in chunk_counts]; each step: counts over all chunks (weight = chunk count), pair = max(counts, key=counts.get), merges[pair] = 256 + len(merges), merge_pair in every chunk
+# %% [exercise] transformer_course.tokenization:train_merges difficulty=3 importance=5 minutes=25
+# hint: Keep every chunk as a list of ids. One merge step is: count pairs over all chunks, pick the
+#   most frequent, give it the next free id, merge it everywhere.
+# hint: Reuse your `get_pair_counts` with `weight=` the chunk's count, so a chunk seen 3 times
+#   counts 3 times. The first new id is 256, then 257, ...
+# hint: Stop early when no chunk has a pair left. `max(counts, key=counts.get)` picks the most
+#   frequent pair; record it in an insertion-ordered dict.
 
 # %% [check]
 check_train_merges(train_merges)
@@ -85,7 +96,7 @@ merges = train_merges({b"aaabdaaabac": 1}, 3)
 print(merges)
 
 # %% [markdown]
-# ## Exercise 4: `encode_chunk`
+# ## Exercise 1.4: `encode_chunk`
 #
 # New text is encoded by replaying the merges. Not in the order the pairs appear in the text,
 # but in the order they were learned: `ranks[pair]` is that position (0 for the first merge)
@@ -93,21 +104,27 @@ print(merges)
 # no pair of the chunk has a rank. (The reference uses a heap of positions so very long chunks
 # stay fast; a loop over `min(zip(ids, ids[1:]), key=...)` with your `merge_pair` is fine.)
 
-# %% [exercise] transformer_course.tokenization:encode_chunk
-# hint: while len(ids) > 1: pair = min(zip(ids, ids[1:]), key=lambda p: ranks.get(p, float("inf"))); stop if pair not in ranks; ids = merge_pair(ids, pair, merges[pair])
+# %% [exercise] transformer_course.tokenization:encode_chunk difficulty=3 importance=5 minutes=20
+# hint: The order that matters is the order merges were learned (`ranks`), not the order of pairs in
+#   the text.
+# hint: Loop: among the neighbouring pairs of the current ids, find the one with the lowest rank; if
+#   none has a rank you are done, else merge it with your `merge_pair`.
 
 # %% [check]
 check_encode_chunk(encode_chunk)
 
 # %% [markdown]
-# ## Exercise 5: `decode_ids`
+# ## Exercise 1.5: `decode_ids`
 #
 # `vocab[i]` is the bytes of token `i`. A character's bytes can be split across tokens ("é" is
 # the two bytes `C3 A9`, which may land in two tokens), so join all the bytes first and decode
 # UTF-8 once. Arbitrary ids can spell invalid UTF-8: decode with `errors="replace"`.
 
-# %% [exercise] transformer_course.tokenization:decode_ids
-# hint: b"".join(vocab[i] for i in ids).decode("utf-8", errors="replace")
+# %% [exercise] transformer_course.tokenization:decode_ids difficulty=1 importance=4 minutes=5
+# hint: A token can end in the middle of a character's UTF-8 bytes, so decoding token by token
+#   breaks on "é".
+# hint: Join all the tokens' bytes into one `bytes` object first, then decode once with
+#   `errors="replace"`.
 
 # %% [check]
 check_decode_ids(decode_ids)

@@ -40,7 +40,7 @@ seed_everything(0)
 print(describe())
 
 # %% [markdown]
-# ## Exercise 1: `attention_scores`
+# ## Exercise 2.1: `attention_scores`
 #
 # $$\text{scores}_{ij} = \frac{q_i \cdot k_j}{\sqrt{d_\text{head}}}$$
 #
@@ -48,14 +48,17 @@ print(describe())
 # `(..., q_pos, k_pos)`, one row per query. Use `einops.einsum` with named axes, e.g.
 # `"... q_pos d_head, ... k_pos d_head -> ... q_pos k_pos"`.
 
-# %% [exercise] transformer_course.attention:attention_scores
-# hint: einops.einsum(q, k, "... q_pos d_head, ... k_pos d_head -> ... q_pos k_pos"), then divide by math.sqrt(d_head)
+# %% [exercise] transformer_course.attention:attention_scores difficulty=1 importance=5 minutes=5
+# hint: Score (i, j) is the dot product of query i with key j: a contraction over `d_head`, scaled
+#   by one over the square root of `d_head`.
+# hint: Name the axes in an `einops.einsum` pattern: queries keep `q_pos`, keys keep `k_pos`, both
+#   share `d_head`, and the leading `...` axes pass through.
 
 # %% [check]
 check_attention_scores(attention_scores)
 
 # %% [markdown]
-# ## Exercise 2: `scaled_dot_product_attention`
+# ## Exercise 2.2: `scaled_dot_product_attention`
 #
 # $$\text{Attention}(Q, K, V) = \text{softmax}\left(\frac{QK^\top}{\sqrt{d_\text{head}}}\right)V$$
 #
@@ -65,8 +68,10 @@ check_attention_scores(attention_scores)
 # gives zeros, never NaN, for a query with no allowed key), and take the weighted sum of the
 # values. Return both the output and the pattern.
 
-# %% [exercise] transformer_course.attention:scaled_dot_product_attention
-# hint: validate_qkv(...); pattern = masked_softmax(attention_scores(q, k), mask); out = einsum of pattern and v over k_pos
+# %% [exercise] transformer_course.attention:scaled_dot_product_attention difficulty=2 importance=5 minutes=10
+# hint: Three steps: scores, a softmax over the keys (the last dim), a weighted sum of the values.
+# hint: Use your `attention_scores`, then `masked_softmax(scores, mask)` for the pattern; the output
+#   contracts the pattern's `k_pos` with the values' `k_pos`.
 
 # %% [check]
 check_scaled_dot_product_attention(scaled_dot_product_attention)
@@ -82,7 +87,7 @@ print("pattern shape:", tuple(pattern.shape), "| rows sum to one:", torch.allclo
 print("same as F.scaled_dot_product_attention:", torch.allclose(out, F.scaled_dot_product_attention(q, k, v, attn_mask=mask), atol=1e-6))
 
 # %% [markdown]
-# ## Exercise 3: `MultiHeadAttention`
+# ## Exercise 2.3: `MultiHeadAttention`
 #
 # The parameters follow TransformerLens: `W_Q`, `W_K`, `W_V` are `(n_heads, d_model, d_head)`,
 # `W_O` is `(n_heads, d_head, d_model)`, the biases `b_Q`, `b_K`, `b_V` are `(n_heads, d_head)`
@@ -106,9 +111,15 @@ print("same as F.scaled_dot_product_attention:", torch.allclose(out, F.scaled_do
 # The check compares every hook point with the reference, so when something is off it tells
 # you the first step that differs.
 
-# %% [exercise] transformer_course.attention:MultiHeadAttention blank=reset_parameters,forward
-# hint reset_parameters: nn.init.normal_(W, std=0.02) for the four weights; nn.init.zeros_ for the biases that exist
-# hint forward: project with einops.einsum(x, self.W_Q, "batch pos d_model, head d_model d_head -> batch pos head d_head") + self.b_Q, and so on
+# %% [exercise] transformer_course.attention:MultiHeadAttention blank=reset_parameters,forward difficulty=4 importance=5 minutes=40
+# hint: `reset_parameters`: weights drawn from a normal with std 0.02, biases zero (a layer built
+#   with `bias=False` has no biases to reset).
+# hint: `forward`: project queries from `x`, keys and values from `context` (default `x`) with one
+#   einsum per projection, `"batch pos d_model, head d_model d_head -> batch pos head d_head"`,
+#   plus the bias; pass each through its hook.
+# hint: Put the head axis before the positions, run the attention of exercise 2.2 on every head
+#   through the hooks for scores, pattern and z, then contract `head` and `d_head` with `W_O` in
+#   one einsum and add `b_O`.
 
 # %% [check]
 check_multi_head_attention(MultiHeadAttention)

@@ -28,7 +28,7 @@ seed_everything(0)
 print(describe())
 
 # %% [markdown]
-# ## Exercise 1: `causal_mask`
+# ## Exercise 3.1: `causal_mask`
 #
 # Query $i$ may attend to key $j$ exactly when $j \le i + (k_\text{len} - q_\text{len})$. With
 # `k_len == q_len` that is the lower triangle, diagonal included (a token sees itself). With
@@ -36,21 +36,27 @@ print(describe())
 # the earlier positions come from a cache, and the last query sees every key.
 # `check_length` (given) rejects lengths that are not positive ints.
 
-# %% [exercise] transformer_course.masking:causal_mask
-# hint: torch.ones(q_len, k_len, dtype=torch.bool, device=device).tril(diagonal=k_len - q_len)
+# %% [exercise] transformer_course.masking:causal_mask difficulty=2 importance=5 minutes=10
+# hint: With as many keys as queries the mask is the lower triangle, diagonal included. With more
+#   keys than queries, slide the triangle so the last query sees every key.
+# hint: `torch.tril` and `Tensor.tril` take a `diagonal=` offset; the offset you need is `k_len -
+#   q_len`. Build it on `device`.
 
 # %% [check]
 check_causal_mask(causal_mask)
 
 # %% [markdown]
-# ## Exercise 2: `padding_mask`
+# ## Exercise 3.2: `padding_mask`
 #
 # `tokens` is `(batch, k_pos)`; the mask is True at real tokens and False at `pad_id`, shaped
 # `(batch, 1, 1, k_pos)` so that it broadcasts over heads and over **queries**: padding is a
 # property of keys.
 
-# %% [exercise] transformer_course.masking:padding_mask
-# hint: (tokens != pad_id)[:, None, None, :] after checking that tokens is a 2-D integer tensor
+# %% [exercise] transformer_course.masking:padding_mask difficulty=1 importance=4 minutes=5
+# hint: Padding is a property of keys: the mask depends on the key position only, and must broadcast
+#   over heads and queries.
+# hint: Compare `tokens` with `pad_id`, then add the two size-1 axes so the result is `(batch, 1, 1,
+#   k_pos)`.
 
 # %% [check]
 check_padding_mask(padding_mask)
@@ -64,7 +70,7 @@ tokens = torch.tensor([[5, 6, 7, 0, 0], [8, 9, 0, 0, 0]])
 print(combine_masks(causal_mask(5), padding_mask(tokens, pad_id=0)).int())
 
 # %% [markdown]
-# ## Exercise 3: `masked_softmax`
+# ## Exercise 3.3: `masked_softmax`
 #
 # Filling forbidden scores with $-\infty$ before the softmax works until a query has **no**
 # allowed key (a padding query under a causal-and-padding mask, for instance): then every entry
@@ -80,8 +86,11 @@ print(combine_masks(causal_mask(5), padding_mask(tokens, pad_id=0)).int())
 #
 # With `mask=None` it is a plain softmax.
 
-# %% [exercise] transformer_course.masking:masked_softmax
-# hint: fill_masked(scores, mask).softmax(dim=-1), then .masked_fill(~mask, 0.0)
+# %% [exercise] transformer_course.masking:masked_softmax difficulty=3 importance=5 minutes=15
+# hint: Filling with -inf breaks only when a whole row is forbidden: think about what the softmax of
+#   a row of equal, very negative numbers is, and what you want instead.
+# hint: Fill with `fill_masked` (a finite minimum), take the softmax over the last dim, then force
+#   the forbidden weights to exactly zero. `mask=None` means a plain softmax.
 
 # %% [check]
 check_masked_softmax(masked_softmax)

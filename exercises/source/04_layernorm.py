@@ -27,7 +27,7 @@ seed_everything(0)
 print(describe())
 
 # %% [markdown]
-# ## Exercise 1: `LayerNorm.forward`
+# ## Exercise 4.1: `LayerNorm.forward`
 #
 # For each vector $x \in \mathbb{R}^{d}$ (the last dimension of the input):
 #
@@ -39,8 +39,11 @@ print(describe())
 # vector (before `w` and `b`) through `self.hook_normalized`. Start with
 # `check_last_dim(x, self.d_model)`, which raises a clear error for an input of the wrong size.
 
-# %% [exercise] transformer_course.layernorm:LayerNorm blank=forward
-# hint forward: centre x over dim=-1 (keepdim=True), take the mean of the squares, add eps, take the square root, divide, then * self.w + self.b
+# %% [exercise] transformer_course.layernorm:LayerNorm blank=forward difficulty=2 importance=5 minutes=15
+# hint: Every statistic is over the last dimension only, with `keepdim=True` so it broadcasts back.
+# hint: The variance is the mean of squared deviations (divide by `d_model`, not `d_model - 1`) and
+#   eps goes inside the square root. `hook_scale` gets the standard deviation, `hook_normalized`
+#   the normalised vector before `w` and `b`.
 
 # %% [check]
 check_layernorm(LayerNorm)
@@ -59,14 +62,16 @@ print("std of each vector: ", ((y.var(-1, unbiased=False) - 1).abs() < 1e-3).all
 print("same as nn.LayerNorm:", torch.allclose(y, nn.LayerNorm(8)(x), atol=1e-6))
 
 # %% [markdown]
-# ## Exercise 2: `RMSNorm.forward`
+# ## Exercise 4.2: `RMSNorm.forward`
 #
 # RMSNorm drops the centring and the shift:
 #
 # $$y = \frac{x}{\sqrt{\frac{1}{d}\sum_i x_i^2 + \epsilon}} \odot w$$
 
-# %% [exercise] transformer_course.layernorm:RMSNorm blank=forward
-# hint forward: no mean subtraction: divide x by sqrt(mean of x**2 over dim=-1, keepdim=True, + eps), then * self.w
+# %% [exercise] transformer_course.layernorm:RMSNorm blank=forward difficulty=1 importance=4 minutes=10
+# hint: Like your `LayerNorm` without the centring and without `b`.
+# hint: Divide by the square root of (the mean of `x` squared over the last dim, plus eps), then
+#   scale by `w`.
 
 # %% [check]
 check_rmsnorm(RMSNorm)

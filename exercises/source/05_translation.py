@@ -1,20 +1,25 @@
 # %% [markdown]
 # # Chapter 5 workbook: the encoder–decoder Transformer
 #
-# You will build the parts of Vaswani et al.'s translation model that are new in this chapter:
+# You will build Vaswani et al.'s translation model, then train it and translate with it:
 #
 # 1. the sinusoidal positional encoding;
 # 2. the token embedding, scaled by $\sqrt{d_\text{model}}$, plus the positions;
-# 3. a decoder block: masked self-attention, cross-attention, MLP;
-# 4. the label-smoothed cross-entropy loss;
-# 5. greedy decoding.
+# 3. an encoder block: self-attention over the whole source, then the MLP;
+# 4. a decoder block: masked self-attention, cross-attention to the source, MLP;
+# 5. the model that assembles your embedding and blocks into an encoder and a decoder;
+# 6. the label-smoothed cross-entropy loss;
+# 7. the paper's learning-rate schedule;
+# 8. greedy decoding, and 9. beam search.
 #
-# Attention, masks, layer norm and the MLP come from the earlier chapters. Each check cell
-# compares your code with the course's reference and, when they differ, tells you which classic
-# mistake your output matches. The chapter's book page trains the whole model on English→Spanish.
+# At the end **your** model trains for a few minutes on English→Spanish and translates real
+# sentences with **your** decoding. Attention, masks, layer norm and the MLP come from the
+# earlier chapters. Each check cell compares your code with the course's reference and, when
+# they differ, tells you which classic mistake your output matches.
 
 # %% tags=nbval-ignore-output
 import math
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -24,21 +29,26 @@ from torch import Tensor, nn
 from transformer_course.attention import MultiHeadAttention
 from transformer_course.blocks import MLP
 from transformer_course.checks.encoder_decoder import (
+    check_beam_search,
     check_decoder_block,
+    check_encoder_block,
+    check_encoder_decoder,
     check_greedy_decode,
+    check_inverse_sqrt_lr,
     check_label_smoothing,
     check_positional_encoding,
     check_token_embedding,
 )
-from transformer_course.encoder_decoder import EncoderDecoderTransformer, Seq2SeqConfig, _check_decode_args
+from transformer_course.encoder_decoder import Seq2SeqConfig, _check_decode_args, pad_batch
 from transformer_course.layernorm import LayerNorm
-from transformer_course.runtime import describe, seed_everything
+from transformer_course.masking import causal_mask, padding_mask
+from transformer_course.runtime import describe, pick, seed_everything
 
 seed_everything(0)
 print(describe())
 
 # %% [markdown]
-# ## Exercise 1: sinusoidal positional encoding
+# ## Exercise 5.1: sinusoidal positional encoding
 #
 # Attention treats its input as a set, so the model needs to be told where each token is. The
 # paper adds a fixed vector to each position:
@@ -49,14 +59,17 @@ print(describe())
 # Even dimensions get the sine, odd dimensions the cosine, and the pair $(2i, 2i+1)$ shares one
 # frequency. Positions start at 0. Compute in float64 and convert to `dtype` at the end.
 
-# %% [exercise] transformer_course.encoder_decoder:sinusoidal_positional_encoding
-# hint: angles = position[:, None] / 10000 ** (torch.arange(0, d_model, 2) / d_model); put sin(angles) in pe[:, 0::2] and cos(angles) in pe[:, 1::2]
+# %% [exercise] transformer_course.encoder_decoder:sinusoidal_positional_encoding difficulty=2 importance=4 minutes=15
+# hint: Dimensions `2i` and `2i + 1` share one frequency, `1 / 10000 ** (2i / d_model)`; build the
+#   angle for every (position, i) at once by broadcasting a column against a row.
+# hint: Fill the even columns with the sine of the angles and the odd columns with the cosine,
+#   computing in float64 and converting at the end.
 
 # %% [check]
 check_positional_encoding(sinusoidal_positional_encoding)
 
 # %% [markdown]
-# ## Exercise 2: the scaled token embedding
+# ## Exercise 5.2: the scaled token embedding
 #
 # The embedding matrix `W_E` is initialised with standard deviation $1/\sqrt{d_\text{model}}$, so
 # each embedding vector has length about 1 while each positional vector has length about
@@ -64,14 +77,34 @@ check_positional_encoding(sinusoidal_positional_encoding)
 # the paper) puts the two on the same scale. Return
 # `dropout(W_E[tokens] * sqrt(d_model) + PE[:pos])`.
 
-# %% [exercise] transformer_course.encoder_decoder:TokenEmbedding blank=forward
-# hint forward: x = self.W_E[tokens] * math.sqrt(self.d_model); add sinusoidal_positional_encoding(tokens.shape[-1], self.d_model, dtype=x.dtype, device=x.device); apply self.dropout
+# %% [exercise] transformer_course.encoder_decoder:TokenEmbedding blank=forward difficulty=1 importance=4 minutes=10
+# hint: Look up the embeddings, scale them, add the positional encoding for as many positions as the
+#   input has, apply dropout.
+# hint: The scale is `math.sqrt(self.d_model)`; the encoding must match the embedding's dtype and
+#   device.
 
 # %% [check]
 check_token_embedding(TokenEmbedding)
 
 # %% [markdown]
-# ## Exercise 3: a decoder block
+# ## Exercise 5.3: an encoder block
+#
+# Two sublayers, each wrapped in dropout, a residual connection and a layer norm: self-attention
+# over the whole source (every source token may look at every other, except padding:
+# `src_mask`), then the position-wise MLP. With `norm="post"` (the paper) the norm comes after
+# the sum: `x = ln(x + dropout(sublayer(x)))`; with `norm="pre"` before the sublayer:
+# `x = x + dropout(sublayer(ln(x)))`. `self.pre_norm` tells you which.
+
+# %% [exercise] transformer_course.encoder_decoder:EncoderBlock blank=forward difficulty=2 importance=5 minutes=15
+# hint: Self-attention takes its queries, keys and values from `x`; `src_mask` hides the padding.
+# hint: Post-LN: `x = self.ln1(x + self.dropout(self.attn(x, mask=src_mask)))`; the MLP
+#   sublayer is the same with `ln2`. Pre-LN moves the norm onto the sublayer's input.
+
+# %% [check]
+check_encoder_block(EncoderBlock)
+
+# %% [markdown]
+# ## Exercise 5.4: a decoder block
 #
 # Three sublayers, each wrapped in dropout, a residual connection and a layer norm:
 #
@@ -84,14 +117,44 @@ check_token_embedding(TokenEmbedding)
 # With `norm="pre"` it comes before the sublayer: `x = x + dropout(sublayer(ln(x)))`.
 # `self.pre_norm` tells you which one to use.
 
-# %% [exercise] transformer_course.encoder_decoder:DecoderBlock blank=forward
-# hint forward: post-LN: x = self.ln1(x + self.dropout(self.self_attn(x, mask=tgt_mask))); then ln2 with self.cross_attn(x, context=memory, mask=src_mask); then ln3 with self.mlp(x)
+# %% [exercise] transformer_course.encoder_decoder:DecoderBlock blank=forward difficulty=3 importance=5 minutes=20
+# hint: Three sublayers in order: masked self-attention, cross-attention, MLP; each wrapped in
+#   dropout, a residual sum and a layer norm.
+# hint: Cross-attention takes its queries from the decoder and its keys and values from `memory`;
+#   which mask hides the source padding?
+# hint: `self.pre_norm` chooses `x = x + dropout(sublayer(ln(x)))` over `x = ln(x +
+#   dropout(sublayer(x)))`.
 
 # %% [check]
 check_decoder_block(DecoderBlock)
 
 # %% [markdown]
-# ## Exercise 4: label smoothing
+# ## Exercise 5.5: the whole model
+#
+# The class below assembles your parts: `src_embed` and `tgt_embed` are your `TokenEmbedding`
+# (one shared table when `cfg.share_embeddings`), `encoder` and `decoder` are stacks of your
+# blocks. Write the two halves:
+#
+# * `encode(src)`: embed the source, run every encoder block with the source padding mask
+#   (`self.src_mask(src)`), and with pre-LN finish with `self.ln_enc` (pre-LN blocks never
+#   normalise the stream itself).
+# * `decode(tgt, memory, src_mask)`: embed the target; every decoder block gets the causal mask
+#   **and** the target's own padding mask (`&`), the memory and `src_mask`; with pre-LN finish
+#   with `self.ln_dec`; the logits are `x @ W_U + b_U`, where `W_U` is `tgt_embed.W_E.T` when the
+#   embeddings are tied (`cfg.tie_embeddings`, as in the paper) and `self.W_U` otherwise.
+#
+# Check the token ids first (`self._check_tokens`, given), so a bad id gives a clear error.
+
+# %% [exercise] transformer_course.encoder_decoder:EncoderDecoderTransformer blank=encode,decode difficulty=3 importance=5 minutes=25
+# hint: `encode` is a loop over `self.encoder`, each block called as `block(x, mask)`.
+# hint: `decode` builds `causal_mask(tgt_len, device=tgt.device) & padding_mask(tgt, pad_id)`
+#   once and passes it, with `memory` and `src_mask`, to every decoder block.
+
+# %% [check]
+check_encoder_decoder(EncoderDecoderTransformer)
+
+# %% [markdown]
+# ## Exercise 5.6: label smoothing
 #
 # Instead of a one-hot target, train against $(1-\varepsilon)\cdot\text{one\_hot} + \varepsilon/V$
 # (Szegedy et al., 2016; the paper uses $\varepsilon = 0.1$). The loss becomes
@@ -99,14 +162,36 @@ check_decoder_block(DecoderBlock)
 # little towards spreading probability, which hurts perplexity but helps BLEU. Positions whose
 # target is `ignore_index` (padding) must not count, not even in the average's denominator.
 
-# %% [exercise] transformer_course.encoder_decoder:label_smoothed_cross_entropy
-# hint: log_probs = logits.log_softmax(-1); nll = -log_probs.gather(-1, targets[..., None]); uniform = -log_probs.mean(-1); average (1 - s) * nll + s * uniform over the positions where targets != ignore_index
+# %% [exercise] transformer_course.encoder_decoder:label_smoothed_cross_entropy difficulty=3 importance=4 minutes=20
+# hint: Work with `log_softmax` of the logits. The loss mixes the negative log-likelihood of the
+#   target with the mean negative log-probability over the whole vocabulary.
+# hint: Weight them `1 - smoothing` and `smoothing`; then average over the positions whose target is
+#   not `ignore_index` only (count only those in the denominator).
 
 # %% [check]
 check_label_smoothing(label_smoothed_cross_entropy)
 
 # %% [markdown]
-# ## Exercise 5: greedy decoding
+# ## Exercise 5.7: the learning-rate schedule
+#
+# The paper raises the learning rate linearly for `warmup_steps` steps and then lets it fall
+# with the inverse square root of the step. With steps counted from 0 and $n$ = step + 1:
+#
+# $$\text{lr}(n) = \text{lr}_\text{peak} \cdot \min\left(\frac{n}{\text{warmup}},
+# \sqrt{\frac{\text{warmup}}{n}}\right)$$
+#
+# (The paper's $d_\text{model}^{-0.5}\min(n^{-0.5}, n\cdot\text{warmup}^{-1.5})$ is this
+# with $\text{lr}_\text{peak} = (d_\text{model}\cdot\text{warmup})^{-0.5}$.) Warmup keeps
+# the first updates small while Adam's statistics are still noisy.
+
+# %% [exercise] transformer_course.training:inverse_sqrt_lr difficulty=1 importance=3 minutes=10
+# hint: The two branches meet at n = warmup_steps, where both equal 1: that is the peak.
+
+# %% [check]
+check_inverse_sqrt_lr(inverse_sqrt_lr)
+
+# %% [markdown]
+# ## Exercise 5.8: greedy decoding
 #
 # Encode the source once. Start every row with `<s>`; at each step run the decoder on the tokens
 # so far, take the most likely next token at the last position and append it. A row is finished
@@ -114,8 +199,101 @@ check_label_smoothing(label_smoothed_cross_entropy)
 # row is finished or after `max_len` new tokens. Return the generated ids without `<s>` and
 # `</s>`.
 
-# %% [exercise] transformer_course.encoder_decoder:greedy_decode
-# hint: memory = model.encode(src); ys = a (batch, 1) tensor of bos_id; loop max_len times: next = model.decode(ys, memory, model.src_mask(src))[:, -1].argmax(-1); append; track which rows have produced eos_id; cut each row before its first eos_id
+# %% [exercise] transformer_course.encoder_decoder:greedy_decode difficulty=3 importance=5 minutes=25
+# hint: Encode once; start every row with `bos_id`; each step decodes everything generated so far
+#   and appends the most likely next token of the last position.
+# hint: Rows finish at different steps: remember which rows have produced `eos_id` (keep padding
+#   them) and stop when all have, or after `max_len` new tokens.
+# hint: Return one list per row: the generated ids without `bos_id`, cut before the first `eos_id`.
 
 # %% [check]
 check_greedy_decode(greedy_decode)
+
+# %% [markdown]
+# ## Exercise 5.9: beam search
+#
+# Greedy decoding commits to the likeliest next token even when a less likely one leads to a
+# likelier translation. Beam search keeps the `beam_size` best partial translations instead,
+# scored by the sum of their tokens' log-probabilities. At each step, extend every live beam by
+# every token, keep the best `beam_size` extensions that do not end, and set aside those that end
+# with `</s>`, their score divided by `length ** length_penalty` so long translations are not
+# punished for having more factors below one. Stop when `beam_size` translations have ended or
+# after `max_len` steps, and return the best one (without `<s>` and `</s>`) for each source row.
+# A beam of one is greedy decoding.
+
+# %% [exercise] transformer_course.encoder_decoder:beam_search difficulty=4 importance=3 minutes=40
+# hint: Decode one source row at a time: encode it once, and keep a (beams, length) tensor of
+#   live hypotheses with a (beams,) tensor of their scores, starting from `<s>` and 0.
+# hint: Each step: `log_softmax` of the last position's logits for every live beam, add each
+#   beam's score, flatten, take the top 2 * beam_size; `divmod(index, vocab)` gives the beam and
+#   the token.
+# hint: Walk the candidates best first: an end token moves its beam to the finished list (with
+#   the length-normalised score), anything else joins the next live set, until beam_size live.
+
+# %% [check]
+check_beam_search(beam_search)
+
+# %% [markdown]
+# ## Your translator
+#
+# Everything is in place: your embedding, blocks and model, your loss and schedule, your
+# decoding. Train the model on Tatoeba English→Spanish pairs of at most six words with the
+# course's training loop (`transformer_course.training.train`, chapter 5's shared loop), your
+# `label_smoothed_cross_entropy` as the loss and your `inverse_sqrt_lr` as the schedule. The
+# data pipeline comes from `transformer_course.translation`: one byte-level BPE vocabulary for
+# both languages, and batches of sentences of similar length. The test sentences were never
+# seen in training: the split is by English sentence. A few minutes of CPU training give rough
+# but recognisable Spanish; the book page trains longer.
+
+# %% [check] tags=nbval-ignore-output
+from transformer_course.training import TrainConfig, train
+from transformer_course.translation import (
+    BOS, EOS, PAD, PROFILES, LengthBatches, corpus_bleu, load_splits, model_config,
+    references_by_source, train_tokenizer,
+)
+
+setup = PROFILES["quick"]
+splits = load_splits(setup.max_words)
+tokenizer = train_tokenizer(splits["train"], setup.vocab_size)
+pad, bos, eos = (tokenizer.special_tokens[t] for t in (PAD, BOS, EOS))
+seed_everything(0)
+model = EncoderDecoderTransformer(model_config(setup, tokenizer))  # your class, your parts
+model.set_fast_attention(True)  # PyTorch's fused attention kernel: faster training
+
+
+def loss_fn(model, batch):
+    src, tgt_in, tgt_out = batch
+    logits = model(src, tgt_in)
+    return label_smoothed_cross_entropy(logits, tgt_out, smoothing=setup.label_smoothing, ignore_index=pad)
+
+
+def schedule(step):
+    return inverse_sqrt_lr(step, lr=setup.lr, warmup_steps=setup.warmup_steps)
+
+
+config = TrainConfig(
+    max_steps=pick(quick=1200, full=setup.max_steps), lr=setup.lr, lr_schedule=schedule,
+    betas=(0.9, 0.98), grad_clip=1.0, log_every=200, seed=setup.seed,
+)
+history = train(model, config, LengthBatches(tokenizer, splits["train"], setup.batch_size), loss_fn)
+model.set_fast_attention(False)
+
+# %% [markdown]
+# Translate sentences the model has never seen, with your greedy decoding and your beam search,
+# and score 300 test sentences with BLEU against every reference translation Tatoeba lists.
+
+
+# %% [check] tags=nbval-ignore-output
+def translate_with(decoder, sentences, **options):
+    src = pad_batch([tokenizer.encode(s) + [eos] for s in sentences], pad)
+    rows = decoder(model.eval(), src, bos_id=bos, eos_id=eos, max_len=model.cfg.max_len, **options)
+    return [tokenizer.decode(row) for row in rows]
+
+
+sources, references = references_by_source(splits["test"])
+sources, references = sources[:300], references[:300]
+greedy = translate_with(greedy_decode, sources)
+beam = translate_with(beam_search, sources[:8], beam_size=4)
+for source, g, b, refs in zip(sources[:8], greedy, beam, references):
+    print(f"{source}\n    greedy: {g}\n    beam 4: {b}\n    Tatoeba: {refs[0]}")
+print(f"test BLEU, greedy, 300 sentences: {corpus_bleu(greedy, references).score:.1f}")

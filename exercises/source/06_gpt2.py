@@ -1,9 +1,11 @@
 # %% [markdown]
 # # Chapter 6 workbook: GPT-2
 #
-# You will build the parts of GPT-2 that the earlier chapters did not: the token and position
-# embeddings, the unembedding, the MLP with `gelu_new`, the forward pass that wires everything
-# into one model, and the sampling loop that turns the model into a text generator.
+# You will build GPT-2 out of your own parts: the token and position embeddings, the
+# unembedding, the MLP with `gelu_new`, the pre-LN transformer block, the model that wires them
+# together, and the sampling loop that turns the model into a text generator. Then you load
+# GPT-2-shaped Hugging Face weights into *your* model and match its outputs component by
+# component. Attention (chapter 2) and layer norm (chapter 4) come from the course package.
 #
 # Each exercise is followed by a check cell. It compares your code with the course's reference
 # on random weights and prints `✓ ... passes every check` when you are done, or says what is
@@ -22,17 +24,27 @@ from torch import Tensor, nn
 from transformer_lens.hook_points import HookPoint
 from transformer_lens.HookedRootModule import HookedRootModule
 
-from transformer_course.blocks import ACTIVATIONS, TransformerBlock
+from typing import Literal
+
+from jaxtyping import Bool
+from transformers import GPT2Config as HFGPT2Config
+from transformers import GPT2LMHeadModel
+
+from transformer_course.attention import MultiHeadAttention
+from transformer_course.blocks import ACTIVATIONS
 from transformer_course.checks.gpt2 import (
+    check_against_huggingface,
     check_embed,
     check_generate,
     check_gpt2_forward,
     check_mlp,
     check_pos_embed,
+    check_transformer_block,
     check_unembed,
 )
 from transformer_course.gpt2 import GPT2Config, check_tokens
 from transformer_course.layernorm import LayerNorm, check_last_dim
+from transformer_course.masking import causal_mask, combine_masks
 from transformer_course.runtime import describe, seed_everything
 
 seed_everything(0)
@@ -47,14 +59,16 @@ print(describe())
 # form the *residual stream*. Unlike the original transformer, GPT-2 does not multiply the token
 # embedding by $\sqrt{d_\text{model}}$.
 
-# %% [exercise] transformer_course.gpt2:Embed blank=forward
-# hint: Row t of W_E is the vector of token t: index W_E with the whole tokens tensor.
+# %% [exercise] transformer_course.gpt2:Embed blank=forward difficulty=1 importance=4 minutes=5
+# hint: Row `t` of `W_E` is the vector of token `t`: a lookup is indexing.
 
 # %% [check]
 check_embed(Embed)
 
-# %% [exercise] transformer_course.gpt2:PosEmbed blank=forward
-# hint: slice W_pos to the sequence length (tokens.shape[1]) and repeat it over the batch with einops.repeat.
+# %% [exercise] transformer_course.gpt2:PosEmbed blank=forward difficulty=1 importance=4 minutes=5
+# hint: Only the first `pos` rows of `W_pos` are used, and every sequence of the batch gets the same
+#   ones.
+# hint: Slice to `tokens.shape[1]`, then repeat over the batch (`einops.repeat`).
 
 # %% [check]
 check_pos_embed(PosEmbed)
@@ -66,9 +80,10 @@ check_pos_embed(PosEmbed)
 # `x @ W_U + b_U`. Write `__init__` too: `W_U` is `(d_model, d_vocab)` drawn from
 # $\mathcal N(0, \text{init\_range}^2)$, and the bias `b_U` starts at zero.
 
-# %% [exercise] transformer_course.gpt2:Unembed blank=__init__,forward
-# hint __init__: call super().__init__() and keep cfg, then create W_U and b_U as nn.Parameters: W_U with nn.init.normal_(std=cfg.init_range), b_U with torch.zeros.
-# hint forward: x @ W_U + b_U.
+# %% [exercise] transformer_course.gpt2:Unembed blank=__init__,forward difficulty=1 importance=4 minutes=10
+# hint: `__init__`: two parameters, `W_U` `(d_model, d_vocab)` drawn with std `cfg.init_range`, and
+#   a zero bias `b_U`.
+# hint: `forward` is one matrix product plus the bias.
 
 # %% [check]
 check_unembed(Unembed)
@@ -80,30 +95,72 @@ check_unembed(Unembed)
 # `gelu_new` (the tanh approximation of GELU), and projects back. `ACTIVATIONS[self.act_fn]`
 # is the activation function.
 
-# %% [exercise] transformer_course.blocks:MLP blank=forward
-# hint: widen with x @ W_in + b_in, apply ACTIVATIONS[self.act_fn], project back with @ W_out + b_out; pass the hidden activations through hook_pre and hook_post.
+# %% [exercise] transformer_course.blocks:MLP blank=forward difficulty=2 importance=4 minutes=10
+# hint: Widen to `d_mlp`, apply the activation, project back to `d_model`; biases on both
+#   projections.
+# hint: `hook_pre` sees the widened pre-activation, `hook_post` the activation's output.
+#   `ACTIVATIONS[self.act_fn]` is the activation function.
 
 # %% [check]
 check_mlp(MLP)
 
 # %% [markdown]
+# ## The transformer block
+#
+# A block reads the residual stream and adds two things to it: what causal self-attention
+# finds, then what the MLP computes. GPT-2 normalises each sublayer's **input** (pre-LN) and
+# leaves the stream itself alone; the original transformer normalised **after** each sum
+# (post-LN). `self.norm` says which. Attention is always causal here: combine
+# `causal_mask(pos, device=...)` with the optional `mask` you are given (`combine_masks`).
+# `self.dropout` goes on each sublayer's output before it joins the stream. Pass the stream and
+# the two sublayer outputs through the five hook points, in the order their comments in
+# `__init__` give.
+#
+# `__init__` builds the block from chapter 2's `MultiHeadAttention`, chapter 4's `LayerNorm`
+# and **your** `MLP` from above.
+
+# %% [exercise] transformer_course.blocks:TransformerBlock blank=forward difficulty=3 importance=5 minutes=25
+# hint: Pre-LN, one sublayer: `attn_out = dropout(attn(ln1(resid), mask))`, then
+#   `resid = resid + attn_out`. The MLP sublayer is the same with `ln2` and `mlp`.
+# hint: Post-LN normalises the sum instead: `resid = ln1(resid + dropout(attn(resid, mask)))`.
+# hint: Hooks in order: `hook_resid_pre` on the input, `hook_attn_out` on what attention adds,
+#   `hook_resid_mid` on the stream between the sublayers, `hook_mlp_out`, `hook_resid_post`.
+
+# %% [check]
+check_transformer_block(TransformerBlock)
+
+# %% [markdown]
 # ## The whole model
 #
-# `GPT2.__init__` is given: it builds `embed`, `pos_embed`, `n_layers` pre-LN `TransformerBlock`s
-# (causal attention, then your MLP), `ln_final` and `unembed`. Write `forward`: embeddings in,
-# logits out. Keep the hook points (`hook_embed`, `hook_pos_embed`) so `run_with_cache` works.
-#
-# The model is built from the course's reference components (the blocks already are), so a slip
-# in an earlier exercise does not show up here as a mystery.
+# `GPT2.__init__` is given: it builds **your** `Embed`, `PosEmbed`, `n_layers` of **your**
+# `TransformerBlock`s, a final `LayerNorm` and **your** `Unembed`. Write `forward`: token ids
+# in, logits out. Pass the two embeddings through `hook_embed` and `hook_pos_embed`, so
+# `run_with_cache` sees them, and apply `self.dropout` to their sum.
 
-# %%
-from transformer_course.gpt2 import Embed, PosEmbed, Unembed
-
-# %% [exercise] transformer_course.gpt2:GPT2 blank=forward
-# hint: check_tokens(tokens, self.cfg); embed + pos_embed (through hook_embed and hook_pos_embed), dropout, then each block in turn, then ln_final, then unembed.
+# %% [exercise] transformer_course.gpt2:GPT2 blank=forward difficulty=2 importance=5 minutes=15
+# hint: Validate the tokens, embed them (token plus position, each through its hook), then dropout.
+# hint: Run the residual stream through every block in order, then `ln_final`, then `unembed`.
 
 # %% [check]
 check_gpt2_forward(GPT2)
+
+# %% [markdown]
+# ## Real weights in your model
+#
+# `GPT2.from_huggingface` (part of the class above) copies a Hugging Face `GPT2LMHeadModel`'s
+# weights into a new `GPT2`, transposing and splitting them into TransformerLens's layout. The
+# class it builds is **yours**, so if your model reproduces Hugging Face's outputs, every part
+# you wrote is GPT-2's. The course runs offline, so the weights here are random, but the model
+# has GPT-2's exact architecture (at a smaller width and depth, to run in seconds). The check
+# compares the two models stage by stage and names the first one that differs.
+
+# %% [check] tags=nbval-ignore-output
+torch.manual_seed(0)
+hf_config = HFGPT2Config(n_embd=64, n_layer=3, n_head=4, n_positions=32, vocab_size=100)
+hf_model = GPT2LMHeadModel(hf_config).eval()
+yours = GPT2.from_huggingface(hf_model)
+tokens = torch.randint(0, hf_config.vocab_size, (2, 12))
+check_against_huggingface(yours, hf_model, tokens)
 
 # %% [markdown]
 # ## Sampling
@@ -113,8 +170,15 @@ check_gpt2_forward(GPT2)
 # (below 1 sharpens, above 1 flattens; 0 means always take the most likely token), keep only the
 # `top_k` largest if asked, sample from the softmax and append the sample.
 
-# %% [exercise] transformer_course.gpt2:generate
-# hint: loop max_new_tokens times: crop to the last n_ctx tokens, run the model, take logits[:, -1], argmax if temperature == 0, else divide by temperature, mask all but the top_k to -inf, torch.multinomial(softmax), torch.cat.
+# Rows of a batch are independent: each keeps its own `top_k` and ends up with its own samples.
+# Draw random numbers from `generator` when one is given, so a seeded run repeats exactly.
+
+# %% [exercise] transformer_course.gpt2:generate difficulty=3 importance=5 minutes=25
+# hint: Each step feeds at most the last `n_ctx` tokens and uses only the logits of the last
+#   position.
+# hint: Temperature 0 is the argmax. Otherwise divide the logits by the temperature; with `top_k`,
+#   forbid every logit below the k-th largest of its own row.
+# hint: Sample with `torch.multinomial` from the softmax, append, repeat `max_new_tokens` times.
 
 # %% [check]
 check_generate(generate)

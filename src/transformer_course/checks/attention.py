@@ -17,6 +17,9 @@ __all__ = ["check_attention_scores", "check_scaled_dot_product_attention", "chec
 
 SCALE_HINT = "divide the scores by sqrt(d_head): without it the softmax saturates as d_head grows."
 KEYS_HINT = "take the softmax over keys, the last dim (`dim=-1`): each query's weights must sum to one."
+INVERTED_HINT = (
+    "True means *may attend*: fill the scores where the mask is False (`~mask`), not where it is True."
+)
 NAN_HINT = (
     "a query with no allowed key must give zeros, not NaN: fill forbidden scores with a large finite "
     "negative number (`torch.finfo(dtype).min`, not -inf) and zero those rows after the softmax "
@@ -72,6 +75,9 @@ def check_scaled_dot_product_attention(fn: Callable[..., tuple[torch.Tensor, tor
                f"expected the pattern's shape {tuple(expected_pattern.shape)} (..., q_pos, k_pos), "
                f"got {tuple(pattern.shape) if isinstance(pattern, torch.Tensor) else type(pattern).__name__}.")
         expect(not torch.isnan(pattern).any().item(), where, "the pattern contains NaN.", NAN_HINT)
+        if mask is not None:
+            _, inverted = attention.scaled_dot_product_attention(q, k, v, ~mask)
+            expect(not _close(pattern, inverted), where, "the mask is inverted.", INVERTED_HINT)
         unscaled, _ = attention.scaled_dot_product_attention(q * math.sqrt(q.shape[-1]), k, v, mask)
         expect(not _close(out, unscaled), where, "the output matches attention without scaling.", SCALE_HINT)
         expect(_close(pattern.sum(-1), torch.ones_like(expected_pattern.sum(-1)), atol=1e-6), where,
@@ -82,6 +88,13 @@ def check_scaled_dot_product_attention(fn: Callable[..., tuple[torch.Tensor, tor
                    "apply the mask to the scores before the softmax (True = may attend).")
         expect_close(pattern, expected_pattern, f"{where}, pattern", "softmax(q k^T / sqrt(d_head)) over keys.", atol=1e-8)
         expect_close(out, expected_out, f"{where}, output", "the output is pattern @ v.", atol=1e-8)
+
+    q, k, v = _qkv(3, 5, 8, 8, seed=5)
+    where = f"{name} (called without a mask)"
+    result = call(where, fn, q, k, v)
+    expect(isinstance(result, tuple) and len(result) == 2, where, "expected a tuple (out, pattern).")
+    expect_close(result[0], attention.scaled_dot_product_attention(q, k, v)[0], where,
+                 "`mask` defaults to None, which means every query sees every key.", atol=1e-8)
 
     q, k, v = _qkv(4, 4, 8, 8, seed=4)
     mask = torch.ones(4, 4, dtype=torch.bool)
@@ -159,7 +172,23 @@ def check_multi_head_attention(cls: type[torch.nn.Module]) -> None:
         expect_close(actual, expected, where,
                      "F.scaled_dot_product_attention wants (batch, head, pos, d_head) and a bool attn_mask "
                      "with True = may attend.", atol=1e-8)
+    _expect_no_bias_variant(name, cls, x, context, padding_mask(tokens, 0))
     passed(name)
+
+
+def _expect_no_bias_variant(name: str, cls: type, x: torch.Tensor, context: torch.Tensor, mask: torch.Tensor) -> None:
+    """`bias=False`: no bias parameters, `reset_parameters` copes, and the forward pass skips them."""
+    where = f"{name}(bias=False)"
+    module = call(where, cls, 16, 4, bias=False).double()
+    reference = attention.MultiHeadAttention(16, 4, bias=False).double()
+    expect({n for n, _ in module.named_parameters()} == {n for n, _ in reference.named_parameters()}, where,
+           f"expected only the parameters {sorted(n for n, _ in reference.named_parameters())}.",
+           "with bias=False register the biases as None, and skip them in reset_parameters and forward.")
+    call(f"{where}.load_state_dict", module.load_state_dict, reference.state_dict(), strict=False)
+    call(f"{where}.reset_parameters", module.reset_parameters)
+    call(f"{where}.load_state_dict", module.load_state_dict, reference.state_dict(), strict=False)
+    expect_close(call(where, module, x, context, mask=mask), reference(x, context, mask=mask), where,
+                 "without biases the projections are the einsums alone.", atol=1e-8)
 
 
 def _compare_hooks(where: str, cache: dict, ref_cache: dict, mask: torch.Tensor, cross: bool) -> None:

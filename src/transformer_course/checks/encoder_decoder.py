@@ -15,18 +15,31 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from transformer_course.checks import CheckFailure, call, expect, expect_close, passed
+from transformer_course.checks import (
+    CheckFailure,
+    call,
+    expect,
+    expect_close,
+    expect_same_in_train_mode,
+    passed,
+)
 from transformer_course.encoder_decoder import (
     DecoderBlock,
+    EncoderBlock,
     EncoderDecoderTransformer,
     Seq2SeqConfig,
     TokenEmbedding,
     greedy_decode,
     sinusoidal_positional_encoding,
 )
+from transformer_course.training import inverse_sqrt_lr
 from transformer_course.masking import causal_mask, padding_mask
 
 __all__ = [
+    "check_beam_search",
+    "check_encoder_block",
+    "check_encoder_decoder",
+    "check_inverse_sqrt_lr",
     "check_decoder_block",
     "check_greedy_decode",
     "check_label_smoothing",
@@ -112,6 +125,183 @@ def check_token_embedding(cls: type) -> None:
     if isinstance(actual, Tensor) and actual.shape == expected.shape and not torch.allclose(actual.double(), expected, atol=1e-6):
         _diagnose(actual, mistakes, name)
     expect_close(actual, expected.detach(), name, "return W_E[tokens] * sqrt(d_model) + PE[:pos], then dropout.", atol=1e-6)
+
+    theirs = call(name, cls, vocab, d_model, max_len, 0.5).double()
+    ours = TokenEmbedding(vocab, d_model, max_len, 0.5).double()
+    theirs.load_state_dict(ours.state_dict())
+    expect_same_in_train_mode(
+        f"{name}(dropout=0.5)", theirs, ours, tokens,
+        hint="apply self.dropout once, to the sum of the scaled embedding and the positional encoding.",
+    )
+    passed(name)
+
+
+def _noisy(module: torch.nn.Module, seed: int) -> torch.nn.Module:
+    """Random offsets on every parameter (layer-norm gains and biases included), so a sublayer
+    or a norm in the wrong place changes the output."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for param in module.parameters():
+            param.add_(0.3 * torch.randn(param.shape, generator=generator, dtype=param.dtype))
+    return module
+
+
+def check_encoder_block(cls: type) -> None:
+    """`cls(cfg)` with the reference's submodules (`attn mlp ln1 ln2`): self-attention over the
+    whole source (padding hidden), then the MLP, post-LN or pre-LN."""
+    name = "EncoderBlock"
+    x = torch.randn(2, 5, 16, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    src_mask = padding_mask(torch.tensor([[3, 4, 5, 6, 7], [3, 4, 0, 0, 0]]), 0)
+    for norm in ("post", "pre"):
+        cfg = _block_config(norm)
+        torch.manual_seed(1)
+        ours = _noisy(EncoderBlock(cfg).double(), seed=2).eval()
+        theirs = call(name, cls, cfg).double()
+        try:
+            theirs.load_state_dict(ours.state_dict())
+        except RuntimeError as exc:
+            raise CheckFailure(f"`{name}`: its parameters do not match the reference's (attn, mlp, ln1, ln2): {exc}") from None
+        theirs.eval()
+        where = f"{name} (norm={norm!r})"
+        with torch.no_grad():
+            actual = call(f"{name}.forward", theirs, x, src_mask)
+            expected = ours(x, src_mask)
+            other = _as_norm(ours, "pre" if norm == "post" else "post", EncoderBlock)
+            mistakes = {
+                "the source padding is visible: pass src_mask to the self-attention.": ours(x, None),
+                f"this is {other.pre_norm and 'pre' or 'post'}-LN; with norm={norm!r} "
+                + ("normalise after each residual sum: x = ln(x + sublayer(x))." if norm == "post"
+                   else "normalise each sublayer's input: x = x + sublayer(ln(x)).") : other(x, src_mask),
+            }
+            if isinstance(actual, Tensor) and actual.shape == expected.shape and not torch.allclose(actual.double(), expected, atol=1e-6):
+                _diagnose(actual, mistakes, where)
+        expect_close(actual, expected, where, "self-attention with src_mask, then the MLP, each with dropout, "
+                     "a residual connection and its layer norm.", atol=1e-6)
+        cfg = Seq2SeqConfig(**{**vars(cfg), "dropout": 0.3})
+        ours, theirs = EncoderBlock(cfg).double(), call(name, cls, cfg).double()
+        theirs.load_state_dict(ours.state_dict())
+        expect_same_in_train_mode(f"{where}, dropout=0.3", theirs, ours, x, src_mask,
+                                  hint="apply self.dropout to each sublayer's output before the residual sum.")
+    passed(name)
+
+
+def _as_norm(block: torch.nn.Module, norm: str, cls: type) -> torch.nn.Module:
+    twin = cls(_block_config(norm)).double().eval()
+    twin.load_state_dict(block.state_dict())
+    return twin
+
+
+def _model_config(norm: str, tie: bool) -> Seq2SeqConfig:
+    return Seq2SeqConfig(src_vocab=13, tgt_vocab=13, d_model=16, n_heads=4, n_layers=2, d_ff=32, dropout=0.0,
+                         max_len=12, norm=norm, share_embeddings=tie, tie_embeddings=tie)
+
+
+def check_encoder_decoder(cls: type) -> None:
+    """`cls(cfg).encode(src)` and `.decode(tgt, memory, src_mask)` against the reference, with
+    post-LN and pre-LN, tied and untied embeddings, padded sources and targets."""
+    name = "EncoderDecoderTransformer"
+    src = torch.tensor([[3, 4, 5, 6, 2], [7, 8, 2, 0, 0]])
+    tgt = torch.tensor([[1, 9, 10, 11], [1, 12, 0, 0]])
+    for norm, tie in (("post", True), ("pre", False)):
+        where = f"{name} (norm={norm!r}, tied embeddings={tie})"
+        cfg = _model_config(norm, tie)
+        torch.manual_seed(4)
+        ours = _noisy(EncoderDecoderTransformer(cfg).double(), seed=5).eval()
+        theirs = call(name, cls, cfg).double()
+        try:
+            theirs.load_state_dict(ours.state_dict())
+        except RuntimeError as exc:
+            raise CheckFailure(f"`{where}`: its parameters do not match the reference's: {exc}") from None
+        theirs.eval()
+        with torch.no_grad():
+            memory = call(f"{name}.encode", theirs.encode, src)
+            expected = ours.encode(src)
+            if norm == "pre" and isinstance(memory, Tensor) and memory.shape == expected.shape:
+                unnormed = ours.src_embed(src)
+                for block in ours.encoder:
+                    unnormed = block(unnormed, ours.src_mask(src))
+                _diagnose(memory, {"with pre-LN the stream is never normalised inside the blocks: end the "
+                                   "encoder with self.ln_enc.": unnormed}, f"{where}, encode")
+            expect_close(memory, expected, f"{where}, encode", "embed the source, run every encoder block "
+                         "with the source padding mask, then (pre-LN only) ln_enc.", atol=1e-6)
+            logits = call(f"{name}.decode", theirs.decode, tgt, expected, ours.src_mask(src))
+            wanted = ours.decode(tgt, expected, ours.src_mask(src))
+            expect_close(logits, wanted, f"{where}, decode", "embed the target; each decoder block gets a causal "
+                         "mask combined with the target padding mask, the memory and src_mask; (pre-LN) ln_dec; "
+                         "then logits = x @ W_U + b_U, with W_U = tgt_embed.W_E.T when embeddings are tied.",
+                         atol=1e-6)
+    passed(name)
+
+
+def check_inverse_sqrt_lr(fn: Callable[..., float]) -> None:
+    """`fn(step, *, lr, warmup_steps)`: linear warmup to `lr`, then `lr * sqrt(warmup / n)`."""
+    name = "inverse_sqrt_lr"
+    for lr, warmup in ((1e-3, 100), (7e-4, 4000)):
+        for step in (0, 1, warmup // 2, warmup - 2, warmup - 1, warmup, 3 * warmup, 100 * warmup):
+            actual = call(name, fn, step, lr=lr, warmup_steps=warmup)
+            expected = inverse_sqrt_lr(step, lr=lr, warmup_steps=warmup)
+            where = f"{name}(step={step}, lr={lr}, warmup_steps={warmup})"
+            expect(isinstance(actual, (int, float)) and math.isfinite(actual), where,
+                   f"expected a finite number, got {actual!r}.")
+            if not math.isclose(actual, expected, rel_tol=1e-9):
+                hint = "n = step + 1; return lr * min(n / warmup_steps, sqrt(warmup_steps / n))."
+                if math.isclose(actual, lr * min(step / warmup, math.sqrt(warmup / max(step, 1))), abs_tol=1e-15):
+                    hint = (f"steps count from 0, so use n = step + 1: step 0 needs a positive rate "
+                            f"and the peak, lr itself, comes at step {warmup - 1}.")
+                elif step >= warmup and math.isclose(actual, lr * warmup / (step + 1), rel_tol=1e-9):
+                    hint = "after warmup the rate falls with the square root of the step, not the step itself."
+                expect(False, where, f"expected {expected:.6g}, got {actual:.6g}.", hint)
+    passed(name)
+
+
+class _Tree(EncoderDecoderTransformer):
+    """Next-token probabilities by the previous token, one tree per first source token: greedy
+    decoding takes the likelier first token, a beam of 2 finds the likelier whole translation."""
+
+    TREES = {
+        3: {1: {5: 0.6, 6: 0.4}, 5: {2: 0.4, 7: 0.3, 8: 0.3}, 6: {2: 0.9, 7: 0.1}},
+        4: {1: {5: 0.4, 6: 0.6}, 5: {2: 0.95, 7: 0.05}, 6: {2: 0.4, 7: 0.3, 8: 0.3}},
+    }
+
+    def __init__(self):
+        super().__init__(Seq2SeqConfig(src_vocab=12, tgt_vocab=12, d_model=8, n_heads=2, n_layers=1, d_ff=8, dropout=0.0, max_len=8))
+
+    def encode(self, src):
+        return src[..., None].double().expand(*src.shape, self.cfg.d_model)
+
+    def decode(self, tgt, memory, src_mask):
+        logits = torch.full((*tgt.shape, self.cfg.tgt_vocab), -30.0)
+        for row, first in enumerate(memory[:, 0, 0].long().tolist()):
+            for pos, token in enumerate(tgt[row].tolist()):
+                for nxt, p in self.TREES[first].get(token, {2: 1.0}).items():
+                    logits[row, pos, nxt] = math.log(p)
+        return logits
+
+
+def check_beam_search(fn: Callable[..., list[list[int]]]) -> None:
+    """`fn(model, src, *, bos_id, eos_id, max_len, beam_size)`: the likeliest translation among
+    the beams, per row, without bos and eos."""
+    name = "beam_search"
+    torch.manual_seed(6)
+    model = EncoderDecoderTransformer(
+        Seq2SeqConfig(src_vocab=20, tgt_vocab=20, d_model=16, n_heads=2, n_layers=1, d_ff=16, dropout=0.0, max_len=16)
+    ).eval()
+    src = torch.randint(3, 20, (3, 5))
+    one = call(name, fn, model, src, bos_id=1, eos_id=2, max_len=8, beam_size=1)
+    expect(one == greedy_decode(model, src, bos_id=1, eos_id=2, max_len=8), f"{name} (beam_size=1)",
+           f"a beam of one should be greedy decoding; got {one}.",
+           "keep the beam_size best (sequence, total log-probability) pairs at each step.")
+    tree = _Tree().eval()
+    src = torch.tensor([[3, 3], [4, 4]])
+    greedy = greedy_decode(tree, src, bos_id=1, eos_id=2, max_len=4)
+    found = call(name, fn, tree, src, bos_id=1, eos_id=2, max_len=4, beam_size=2)
+    where = f"{name} (beam_size=2, two rows whose greedy choice is not the likeliest translation)"
+    expect(isinstance(found, list) and len(found) == 2, where, f"expected one list per source row, got {found!r}.")
+    expect(found != greedy, where, f"got the greedy translations {greedy}.",
+           "score each hypothesis by the sum of its tokens' log-probabilities and keep beam_size of "
+           "them, so a less likely first token can win with a likelier ending.")
+    expect(found == [[6], [5]], where, f"expected [[6], [5]], got {found}.",
+           "decode each row with its own beams, and return tokens without <s> and </s>.")
     passed(name)
 
 
@@ -163,7 +353,21 @@ def check_decoder_block(cls: type) -> None:
             "from memory, queries from x), MLP; each with dropout, a residual connection and its layer norm.",
             atol=1e-6,
         )
+        _expect_block_dropout(name, cls, norm, x, memory, tgt_mask, src_mask)
     passed(name)
+
+
+def _expect_block_dropout(name: str, cls: type, norm: str, *args: Tensor) -> None:
+    """With dropout on, in train mode, the learner's dropout falls where the reference's does."""
+    cfg = Seq2SeqConfig(**{**vars(_block_config(norm)), "dropout": 0.3})
+    ours = DecoderBlock(cfg).double()
+    theirs = call(name, cls, cfg).double()
+    theirs.load_state_dict(ours.state_dict())
+    expect_same_in_train_mode(
+        f"{name} (norm={norm!r}, dropout=0.3)", theirs, ours, *args,
+        hint="apply self.dropout to each sublayer's output before the residual sum "
+        "(three times: self-attention, cross-attention, MLP), and nowhere else.",
+    )
 
 
 def _as_pre(block: DecoderBlock) -> DecoderBlock:
@@ -199,20 +403,40 @@ def check_label_smoothing(fn: Callable[..., Tensor]) -> None:
     if isinstance(actual, Tensor) and actual.shape == expected.shape and not torch.allclose(actual.double(), expected, atol=1e-6):
         _diagnose(actual, mistakes, name)
     expect_close(actual, expected, name, "(1 - s) * nll + s * mean over the vocab of -log p, averaged over non-padding targets.", atol=1e-6)
+
+    where = f"{name} (ignore_index left at its default, None)"
+    actual = call(where, fn, logits, targets, smoothing=0.2)
+    expected = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), label_smoothing=0.2)
+    expect_close(actual, expected, where, "with ignore_index=None every position counts.", atol=1e-6)
+
+    where = f"{name} (confident logits, scaled by 1000)"
+    actual = call(where, fn, logits * 1000, targets, smoothing=0.2, ignore_index=0)
+    expected = F.cross_entropy(
+        (logits * 1000).flatten(0, 1), targets.flatten(), label_smoothing=0.2, ignore_index=0
+    )
+    expect_close(actual, expected, where, "softmax(...).log() underflows to log(0) = -inf for unlikely "
+                 "tokens: use logits.log_softmax(-1), which stays finite.", atol=1e-3, rtol=1e-4)
     passed(name)
 
 
 class _Scripted(EncoderDecoderTransformer):
-    """Emits 5, 6, 7, ... and then the end token at position `eos_at`, whatever the input."""
+    """Emits 5, 6, 7, ... and then the end token at position `eos_at`, whatever the input; with a
+    dict, `eos_at[first source token]`, so each row ends on its own (whether the rows are decoded
+    as one batch or one by one). After its end token a row goes on emitting 5, 6, 7, ..."""
 
-    def __init__(self, eos_at: int):
+    def __init__(self, eos_at: int | dict[int, int]):
         super().__init__(Seq2SeqConfig(src_vocab=20, tgt_vocab=20, d_model=8, n_heads=2, n_layers=1, d_ff=8, dropout=0.0, max_len=16))
         self.eos_at = eos_at
 
+    def encode(self, src):
+        return src[..., None].double().expand(*src.shape, self.cfg.d_model)
+
     def decode(self, tgt, memory, src_mask):
         logits = torch.full((*tgt.shape, self.cfg.tgt_vocab), -10.0)
-        for pos in range(tgt.shape[1]):
-            logits[:, pos, 2 if pos + 1 == self.eos_at else 5 + pos % 10] = 10.0
+        for row, first in enumerate(memory[:, 0, 0].long().tolist()):
+            end = self.eos_at[first] if isinstance(self.eos_at, dict) else self.eos_at
+            for pos in range(tgt.shape[1]):
+                logits[row, pos, 2 if pos + 1 == end else 5 + pos % 10] = 10.0
         return logits
 
 
@@ -230,6 +454,13 @@ def check_greedy_decode(fn: Callable[..., list[list[int]]]) -> None:
     expect(
         stops == [[5, 6, 7]] * 2, name, f"a model that says 5, 6, 7, </s> should give [5, 6, 7], got {stops[0]!r}.",
         "append the argmax of the last position's logits each step; a row is done at </s>.",
+    )
+    ragged = call(name, fn, _Scripted(eos_at={3: 2, 5: 4}), src, bos_id=1, eos_id=2, max_len=10)
+    expect(
+        ragged == [[5], [5, 6, 7]], name,
+        f"rows that end at different steps (row 0 after 5, row 1 after 5, 6, 7) gave {ragged!r}.",
+        "keep decoding until every row has produced </s> (a finished row only gets padding), and "
+        "cut each row before its own first </s>.",
     )
     capped = call(name, fn, _Scripted(eos_at=99), src, bos_id=1, eos_id=2, max_len=5)
     expect(

@@ -14,10 +14,30 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from transformer_course.checks import CheckFailure, call, expect, expect_close, passed
+from transformer_course.blocks import MLP as ReferenceMLP
+from transformer_course.blocks import TransformerBlock
+from transformer_course.checks import (
+    CheckFailure,
+    call,
+    expect,
+    expect_close,
+    expect_hooks,
+    expect_same_in_train_mode,
+    passed,
+)
 from transformer_course.gpt2 import GPT2, GPT2Config
+from transformer_course.masking import causal_mask, combine_masks, padding_mask
 
-__all__ = ["check_embed", "check_pos_embed", "check_unembed", "check_mlp", "check_gpt2_forward", "check_generate"]
+__all__ = [
+    "check_embed",
+    "check_pos_embed",
+    "check_unembed",
+    "check_mlp",
+    "check_transformer_block",
+    "check_gpt2_forward",
+    "check_generate",
+    "check_against_huggingface",
+]
 
 CFG = GPT2Config(d_model=16, n_layers=2, n_heads=2, d_vocab=37, n_ctx=12)
 
@@ -26,8 +46,8 @@ def _tokens(batch: int = 3, pos: int = 7, seed: int = 0) -> torch.Tensor:
     return torch.randint(0, CFG.d_vocab, (batch, pos), generator=torch.Generator().manual_seed(seed))
 
 
-def _build(name: str, cls: type, *args: Any) -> torch.nn.Module:
-    return call(f"{name}.__init__", cls, *args)
+def _build(name: str, cls: type, *args: Any, **kwargs: Any) -> torch.nn.Module:
+    return call(f"{name}.__init__", cls, *args, **kwargs)
 
 
 def _param(module: torch.nn.Module, name: str, owner: str, shape: tuple[int, ...]) -> torch.nn.Parameter:
@@ -172,7 +192,117 @@ def check_mlp(MLP: type) -> None:
                 hint,
             )
     expect_close(out, expected, name, "x @ W_in + b_in, then gelu_new, then @ W_out + b_out.")
+
+    for act_fn in ("relu", "gelu"):
+        where = f"{name}(act_fn={act_fn!r})"
+        theirs = call(where, MLP, d_model, d_mlp, act_fn=act_fn)
+        reference = ReferenceMLP(d_model, d_mlp, act_fn=act_fn)
+        reference.load_state_dict(mlp.state_dict())
+        theirs.load_state_dict(mlp.state_dict())
+        expect_close(call(where, theirs, x), reference(x).detach(), where,
+                     "use the activation the module was built with, ACTIVATIONS[self.act_fn].")
+    expect_hooks(
+        name, mlp, reference_mlp(mlp, d_model, d_mlp),
+        {
+            "hook_pre": "pass x @ W_in + b_in (before the activation) through self.hook_pre.",
+            "hook_post": "pass the activation's output through self.hook_post, before W_out.",
+        },
+        x,
+        atol=1e-6,
+    )
     passed(name)
+
+
+def reference_mlp(mlp: torch.nn.Module, d_model: int, d_mlp: int) -> torch.nn.Module:
+    reference = ReferenceMLP(d_model, d_mlp)
+    reference.load_state_dict(mlp.state_dict())
+    return reference
+
+
+BLOCK_HOOKS = {
+    "hook_resid_pre": "pass the incoming residual stream through self.hook_resid_pre first.",
+    "hook_attn_out": "hook_attn_out gets what attention adds to the stream (after dropout).",
+    "hook_resid_mid": "hook_resid_mid gets the stream after the attention sublayer.",
+    "hook_mlp_out": "hook_mlp_out gets what the MLP adds to the stream (after dropout).",
+    "hook_resid_post": "hook_resid_post gets the block's output.",
+}
+
+
+def _block_variants(block: TransformerBlock, x: torch.Tensor, mask: torch.Tensor | None) -> dict[str, torch.Tensor]:
+    """The outputs of the classic block mistakes, built from the reference's own sublayers."""
+    pos = x.shape[1]
+    causal = combine_masks(causal_mask(pos), mask)
+
+    def attn(h: torch.Tensor, m: torch.Tensor | None) -> torch.Tensor:
+        return block.attn(h, mask=m)
+
+    pre = lambda h, m: (lambda r: r + block.mlp(block.ln2(r)))(h + attn(block.ln1(h), m))  # noqa: E731
+    post = lambda h, m: (lambda r: block.ln2(r + block.mlp(r)))(block.ln1(h + attn(h, m)))  # noqa: E731
+    right, wrong = (pre, post) if block.norm == "pre" else (post, pre)
+    variants = {
+        "attention must be causal: combine causal_mask(pos) with the mask you are given, so no "
+        "position sees a later one.": right(x, mask),
+        f"this is {'post' if block.norm == 'pre' else 'pre'}-LN; with norm={block.norm!r} "
+        + ("normalise each sublayer's input: x = x + attn(ln1(x)), then x = x + mlp(ln2(x))."
+           if block.norm == "pre" else "normalise after each residual sum: x = ln1(x + attn(x))."): wrong(x, causal),
+        "the mask you are given is ignored: combine it with the causal mask.": right(x, causal_mask(pos)),
+    }
+    if block.norm == "pre":
+        normed = block.ln1(x)
+        mid = normed + attn(normed, causal)
+        variants["only the sublayer's input is normalised; the residual stream itself stays as it "
+                 "is: x = x + attn(ln1(x)), not ln1(x) + attn(ln1(x))."] = mid + block.mlp(block.ln2(mid))
+        mid = attn(block.ln1(x), causal)
+        hint = "a residual connection is missing: add each sublayer's output to the stream, x = x + ..."
+        variants[hint] = block.mlp(block.ln2(mid))
+        variants[hint + " (the attention's)"] = mid + block.mlp(block.ln2(mid))
+    return variants
+
+
+def check_transformer_block(cls: type) -> None:
+    """`TransformerBlock(d_model, n_heads, d_head, d_mlp, *, ln_eps, norm, act_fn, dropout)`:
+    causal self-attention and an MLP on the residual stream, pre-LN or post-LN."""
+    name = "TransformerBlock"
+    x = torch.randn(2, 5, 16, generator=torch.Generator().manual_seed(4), dtype=torch.float64)
+    padding = padding_mask(torch.tensor([[1, 2, 3, 4, 5], [1, 2, 3, 0, 0]]), 0)
+    for norm in ("pre", "post"):
+        torch.manual_seed(5)
+        reference = TransformerBlock(16, 4, 4, 32, norm=norm).double().eval()
+        generator = torch.Generator().manual_seed(6)
+        with torch.no_grad():
+            for param in reference.parameters():
+                param.add_(0.3 * torch.randn(param.shape, generator=generator, dtype=torch.float64))
+        block = _build(f"{name}(norm={norm!r})", cls, 16, 4, 4, 32, norm=norm).double()
+        try:
+            block.load_state_dict(reference.state_dict())
+        except Exception as exc:
+            raise CheckFailure(f"`{name}`: the reference weights do not load ({exc}).\nHint: keep the "
+                               "attribute names of __init__: ln1, attn, ln2, mlp.") from None
+        block.eval()
+        for mask, label in ((None, "no mask"), (padding, "a padding mask")):
+            where = f"{name}(norm={norm!r}), {label}"
+            with torch.no_grad():
+                out = call(where, block, x, mask)
+                expected = reference(x, mask)
+                if isinstance(out, torch.Tensor) and out.shape == expected.shape and not _same(out, expected):
+                    for hint, wrong in _block_variants(reference, x, mask).items():
+                        expect(not _same(out, wrong), where, "values differ from the reference.", hint)
+            expect_close(out, expected, where, "x = x + dropout(attn(ln1(x), causal mask)); "
+                         "x = x + dropout(mlp(ln2(x))) for pre-LN.", atol=1e-8)
+        expect_hooks(f"{name}(norm={norm!r})", block, reference, BLOCK_HOOKS, x, atol=1e-8)
+        theirs = _build(name, cls, 16, 4, 4, 32, norm=norm, dropout=0.3).double()
+        ours = TransformerBlock(16, 4, 4, 32, norm=norm, dropout=0.3).double()
+        theirs.load_state_dict(ours.state_dict())
+        expect_same_in_train_mode(
+            f"{name}(norm={norm!r}, dropout=0.3)", theirs, ours, x,
+            hint="apply self.dropout to each sublayer's output before adding it to the stream "
+            "(twice: attention, MLP), and nowhere else.",
+        )
+    passed(name)
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and torch.allclose(a.detach().double(), b.detach().double(), atol=1e-8)
 
 
 def _reference_model(seed: int = 0) -> GPT2:
@@ -224,7 +354,30 @@ def check_gpt2_forward(GPT2Class: type) -> None:
     expect_close(
         out, expected, name, "embed + pos_embed, then each block in turn, then ln_final, then unembed.", atol=1e-4
     )
+    expect_hooks(
+        name, model, reference,
+        {
+            "hook_embed": "pass the token embeddings, embed(tokens), through self.hook_embed.",
+            "hook_pos_embed": "pass the position embeddings, pos_embed(tokens), through self.hook_pos_embed.",
+        },
+        tokens,
+        atol=1e-6,
+    )
+    _expect_model_dropout(name, GPT2Class, tokens)
     passed(name)
+
+
+def _expect_model_dropout(name: str, GPT2Class: type, tokens: torch.Tensor) -> None:
+    cfg = GPT2Config(**{**vars(CFG), "dropout": 0.3})
+    torch.manual_seed(0)
+    reference = GPT2(cfg)
+    model = _build(name, GPT2Class, cfg)
+    model.load_state_dict(reference.state_dict())
+    expect_same_in_train_mode(
+        f"{name} (dropout=0.3)", model, reference, tokens,
+        hint="apply self.dropout once, to the sum of the token and position embeddings, before the blocks.",
+        atol=1e-5,
+    )
 
 
 def _greedy(model: GPT2, tokens: torch.Tensor, steps: int) -> torch.Tensor:
@@ -239,8 +392,49 @@ def _frequencies(samples: torch.Tensor) -> torch.Tensor:
     return torch.bincount(samples, minlength=CFG.d_vocab).double() / samples.numel()
 
 
+def _expect_top_k_per_row(name: str, generate: Callable[..., torch.Tensor], model: GPT2) -> None:
+    """Rows with different prompts: each row samples from its own top k, not row 0's."""
+    prompts = _tokens(batch=4, pos=3, seed=8)
+    with torch.no_grad():
+        logits = model(prompts)[:, -1].double()
+    top = logits.topk(3, dim=-1)
+    n = 1500
+    torch.manual_seed(9)
+    drawn = call(name, generate, model, prompts.repeat_interleave(n, dim=0), 1, top_k=3)[:, -1]
+    for row in range(len(prompts)):
+        mine = drawn[row * n : (row + 1) * n]
+        freq = (mine[:, None] == top.indices[row]).double().mean(0)
+        worst = (freq - top.values[row].softmax(-1)).abs().max().item()
+        expect(
+            bool(torch.isin(mine, top.indices[row]).all()) and worst < 0.06,  # 0.06: over 5 std errors
+            f"{name} (top_k=3, four different prompts)",
+            f"row {row} does not sample from its own 3 most likely tokens "
+            f"(frequencies {freq.tolist()} for its top 3).",
+            "take the k-th largest logit of each row (topk over dim=-1, keep a (batch, 1) threshold), "
+            "not of the first row or of the whole batch.",
+        )
+
+
+def _expect_generator_is_used(
+    name: str, generate: Callable[..., torch.Tensor], model: GPT2, prompt: torch.Tensor
+) -> None:
+    """Two runs with equally seeded generators agree, whatever the global random state."""
+    runs = []
+    for global_seed in (1, 2):
+        torch.manual_seed(global_seed)
+        generator = torch.Generator().manual_seed(11)
+        runs.append(call(name, generate, model, prompt, 6, generator=generator))
+    expect(
+        torch.equal(runs[0], runs[1]),
+        f"{name} (generator=torch.Generator().manual_seed(11), twice)",
+        "two runs with the same generator seed gave different tokens.",
+        "draw every random number from the generator you are given: "
+        "torch.multinomial(probs, 1, generator=generator).",
+    )
+
+
 def check_generate(generate: Callable[..., torch.Tensor]) -> None:
-    """`generate(model, tokens, max_new_tokens, *, temperature=1.0, top_k=None)`."""
+    """`generate(model, tokens, max_new_tokens, *, temperature=1.0, top_k=None, generator=None)`."""
     name = "generate"
     model = _reference_model(seed=3)
     prompt = _tokens(batch=2, pos=4, seed=4)
@@ -322,4 +516,33 @@ def check_generate(generate: Callable[..., torch.Tensor]) -> None:
                 f"`{name}`: samples at temperature={temperature}, top_k={top_k} do not follow the model's "
                 f"distribution (frequency off by {worst:.3f}).\nHint: {hint}"
             )
+    _expect_top_k_per_row(name, generate, model)
+    _expect_generator_is_used(name, generate, model, prompt)
+    passed(name)
+
+
+def check_against_huggingface(model: torch.nn.Module, hf_model: torch.nn.Module, tokens: torch.Tensor) -> None:
+    """Compare a GPT-2 holding Hugging Face's weights with the Hugging Face model itself, component
+    by component (embeddings, each block's output, the final norm, the logits), in float32 with
+    tolerance 1e-4, and say which component first differs."""
+    name = "GPT2 with Hugging Face's weights"
+    model.eval(), hf_model.eval()
+    with torch.no_grad():
+        hf = hf_model(tokens, output_hidden_states=True)
+        logits, cache = call(name, model.run_with_cache, tokens)
+    last = f"blocks.{model.cfg.n_layers - 1}.hook_resid_post"
+    stages = [("embeddings", cache["hook_embed"] + cache["hook_pos_embed"], hf.hidden_states[0],
+               "embed(tokens) + pos_embed(tokens): W_E and W_pos came from wte and wpe.")]
+    for layer in range(model.cfg.n_layers - 1):
+        stages.append((f"block {layer}", cache[f"blocks.{layer}.hook_resid_post"], hf.hidden_states[layer + 1],
+                       "your TransformerBlock: x + attn(ln1(x)), then x + mlp(ln2(x))."))
+    stages += [
+        ("last block and ln_final", model.ln_final(cache[last]), hf.hidden_states[-1],
+         "the last block, then ln_final (Hugging Face applies its final norm to the last hidden state)."),
+        ("logits", logits, hf.logits, "unembed: x @ W_U + b_U, with W_U the transpose of lm_head.weight."),
+    ]
+    for stage, ours, theirs, hint in stages:
+        worst = (ours.float() - theirs.float()).abs().max().item()
+        print(f"{stage:<24} max |difference| {worst:.1e}")
+        expect(worst < 1e-4, f"{name}, {stage}", f"differs from Hugging Face's by up to {worst:.3g}.", hint)
     passed(name)

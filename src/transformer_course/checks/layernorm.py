@@ -14,7 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from transformer_course.checks import call, expect, expect_close, passed
+from transformer_course import layernorm
+from transformer_course.checks import call, expect, expect_close, expect_hooks, passed
 
 __all__ = ["check_layernorm", "check_rmsnorm"]
 
@@ -126,6 +127,44 @@ def _expect_no_nan_on_constant_rows(name: str, module: torch.nn.Module, hint: st
     return out
 
 
+SCALE_HOOK_HINT = "pass the {what} each vector is divided by, shape (*batch, 1), through self.hook_scale."
+NORMALIZED_HOOK_HINT = "pass the normalised vector, before {what}, through self.hook_normalized."
+OFFSET = 1e4  # a large mean: the one-pass variance mean(x**2) - mean(x)**2 loses all precision
+
+
+def _expect_hooks(name: str, module: torch.nn.Module, reference: torch.nn.Module, what: str, after: str) -> None:
+    x = torch.randn(2, 3, D_MODEL, generator=torch.Generator().manual_seed(5), dtype=torch.float64) * 2 + 1
+    reference = reference.double()
+    reference.load_state_dict(module.state_dict())
+    expect_hooks(
+        name,
+        module,
+        reference,
+        {
+            "hook_scale": SCALE_HOOK_HINT.format(what=what),
+            "hook_normalized": NORMALIZED_HOOK_HINT.format(what=after),
+        },
+        x,
+    )
+
+
+def _expect_stable_at_large_offset(name: str, cls: Callable, reference: Callable[[Tensor, Tensor, Tensor], Tensor]) -> None:
+    """In float32, a mean of 1e4 must not wreck the result (a one-pass variance does)."""
+    module = call(f"{name}.__init__", cls, D_MODEL, eps=1e-5)
+    x = OFFSET + torch.randn(4, D_MODEL, generator=torch.Generator().manual_seed(6))
+    actual = call(f"{name}.forward", module, x)
+    expected = reference(x.double(), module.w.detach().double(), getattr(module, "b", None))
+    expect_close(
+        actual.double() if isinstance(actual, Tensor) else actual,
+        expected,
+        f"{name} (float32 input with mean {OFFSET:g})",
+        "compute the variance as the mean of squared deviations from the mean (two passes); "
+        "mean(x**2) - mean(x)**2 cancels catastrophically when the mean is large.",
+        atol=1e-2,
+        rtol=1e-2,
+    )
+
+
 def check_layernorm(cls: Callable) -> None:
     """Check a `LayerNorm(d_model, eps)` class: parameters `w`, `b`; forward over the last dim."""
     generator = torch.Generator().manual_seed(0)
@@ -141,6 +180,12 @@ def check_layernorm(cls: Callable) -> None:
         "LayerNorm.forward", ln, "a constant row has variance 0: is eps inside the square root, sqrt(var + eps)?"
     )
     expect_close(out, b.expand(2, D_MODEL), "LayerNorm.forward", "a constant row should come out as b.", atol=1e-6)
+    _expect_hooks("LayerNorm", ln, layernorm.LayerNorm(D_MODEL, eps=BIG_EPS), "standard deviation", "w and b")
+    _expect_stable_at_large_offset(
+        "LayerNorm",
+        cls,
+        lambda x, w, b: F.layer_norm(x, (D_MODEL,), w, b.double() if b is not None else None, eps=1e-5),
+    )
     passed("LayerNorm")
 
 
@@ -159,4 +204,5 @@ def check_rmsnorm(cls: Callable) -> None:
     _expect_no_nan_on_constant_rows(
         "RMSNorm.forward", norm, "an all-zero row must not give NaN: add eps inside the square root."
     )
+    _expect_hooks("RMSNorm", norm, layernorm.RMSNorm(D_MODEL, eps=BIG_EPS), "root mean square", "w")
     passed("RMSNorm")

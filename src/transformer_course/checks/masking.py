@@ -54,6 +54,10 @@ def check_causal_mask(fn: Callable[..., torch.Tensor]) -> None:
                "query i sees keys j <= i + (k_len - q_len) (`tril(diagonal=k_len - q_len)`).")
         expect(False, where, f"expected\n{expected.int()}\ngot\n{actual.int()}",
                "query i may attend to key j exactly when j <= i + (k_len - q_len).")
+    meta = call(name, fn, 3, 5, device="meta")
+    expect(isinstance(meta, torch.Tensor) and meta.device.type == "meta", f"{name}(3, 5, device='meta')",
+           f"the mask is on {getattr(meta, 'device', type(meta).__name__)}, not on the device it was given.",
+           "create the tensor with device=device, so the mask lives where the scores live.")
     passed(name)
 
 
@@ -92,6 +96,8 @@ def check_masked_softmax(fn: Callable[..., torch.Tensor]) -> None:
     actual = call(name, fn, scores, mask)
     expect(isinstance(actual, torch.Tensor), name, f"expected a torch.Tensor, got {type(actual).__name__}.")
     if tuple(actual.shape) == tuple(expected.shape) and not torch.isnan(actual).any():
+        expect(not torch.allclose(actual.detach(), masking.masked_softmax(scores, ~mask), atol=1e-8), name,
+               "the mask is inverted.", "True means *may attend*: forbid the keys where the mask is False.")
         row_sums = actual.detach().sum(-1)
         expect(torch.allclose(row_sums, torch.ones_like(row_sums), atol=1e-6), name,
                "the weights of a query (a row) do not sum to one.",
@@ -128,4 +134,9 @@ def check_masked_softmax(fn: Callable[..., torch.Tensor]) -> None:
                "the gradient contains NaN or inf.", "avoid -inf anywhere in the computation; use a finite fill.")
         expect_close(actual.detach().float(), masking.masked_softmax(scores.detach(), empty).float(), where,
                      atol=1e-2, rtol=1e-2)
+
+    scores = torch.randn(2, 5, 6, generator=g, dtype=torch.float64)
+    unmasked = call(name, fn, scores)
+    expect_close(unmasked, scores.softmax(-1), f"{name} (mask=None)",
+                 "without a mask it is a plain softmax over the last dim.", atol=1e-10, rtol=1e-8)
     passed(name)
