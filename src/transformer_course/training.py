@@ -285,18 +285,16 @@ def read_checkpoint(path: str | Path) -> dict[str, Any]:
         raise FileNotFoundError(f"path: no checkpoint at {path}")
     try:
         checkpoint = torch.load(path, map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError as error:
-        if "weights only" in str(error).lower():
+    except (pickle.UnpicklingError, EOFError, OSError, RuntimeError, ValueError) as error:
+        if "Unsupported global" in str(error):
             raise ValueError(
                 f"checkpoint {path}: holds objects other than tensors and plain data, so it was not "
                 "written by this course; refusing to unpickle it"
             ) from None
-        raise ValueError(f"checkpoint {path}: cannot be read ({error}); it is corrupt") from None
-    except (EOFError, OSError, RuntimeError, ValueError) as error:
-        size = path.stat().st_size
+        reason = "not a valid PyTorch file" if isinstance(error, pickle.UnpicklingError) else str(error)
         raise ValueError(
-            f"checkpoint {path}: cannot be read ({type(error).__name__}: {error or 'unexpected end of file'}); "
-            f"it is empty, truncated or not a checkpoint ({size} bytes). Delete it to start again"
+            f"checkpoint {path}: cannot be read ({type(error).__name__}: {reason or 'unexpected end of file'}); "
+            f"it is empty, truncated or not a checkpoint ({path.stat().st_size} bytes). Delete it to start again"
         ) from None
     if not isinstance(checkpoint, dict):
         raise ValueError(f"checkpoint {path}: expected a dict of {CHECKPOINT_FIELDS}, got a {type(checkpoint).__name__}")
