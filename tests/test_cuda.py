@@ -128,6 +128,9 @@ def test_multi_head_attention_fast_causal_path_matches_the_masked_reference(devi
         # causal=True is the same as passing the causal mask.
         explicit = run_on(device, precision, lambda: mha(x_dev, mask=causal_mask(7, device=device)))
         assert_matches(run_on(device, precision, lambda: mha(x_dev, causal=True)), explicit, precision)
+        # Fewer queries than keys: the last query sees every key (causal_mask's KV-cache alignment).
+        shorter = run_on(device, precision, lambda: mha(x_dev[:, 3:], context=x_dev, causal=True))
+        assert_matches(shorter, causal[:, 3:], precision)
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -23,7 +23,7 @@ from torch import Tensor, nn
 from transformer_lens.hook_points import HookPoint
 from transformer_lens.HookedRootModule import HookedRootModule
 
-from transformer_course.masking import causal_mask, combine_masks, fill_masked, masked_softmax
+from transformer_course.masking import causal_mask, fill_masked, masked_softmax
 
 __all__ = ["attention_scores", "scaled_dot_product_attention", "validate_qkv", "MultiHeadAttention"]
 
@@ -201,7 +201,8 @@ class MultiHeadAttention(HookedRootModule):
         q, k, v = (einops.rearrange(t, "batch pos head d_head -> batch head pos d_head") for t in (q, k, v))
         validate_qkv(q, k, v, mask)
         if causal and (mask is not None or not self.use_fast_path or q.shape[-2] != k.shape[-2]):
-            mask, causal = combine_masks(causal_mask(q.shape[-2], k.shape[-2], device=q.device), mask), False
+            allowed = causal_mask(q.shape[-2], k.shape[-2], device=q.device)
+            mask, causal = (allowed if mask is None else allowed & mask), False
 
         if self.use_fast_path:
             z = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal)
