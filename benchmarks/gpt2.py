@@ -112,8 +112,9 @@ def main() -> None:
 
     per_token = flops_per_token(ours, tokens.shape[1])
     n_tokens = tokens.numel()
-    report = {"device": str(device), "size": args.size, "params": ours.num_params(), "flop_params": flop_params(ours),
-              "flops_per_token": per_token, "batch": list(tokens.shape), "amp_bf16": amp, "compile": args.compile}
+    report = {"device": str(device), "size": args.size, "params": ours.num_params(),
+              "flop_params": flop_params(ours), "flops_per_token": per_token,
+              "batch": list(tokens.shape), "amp_bf16": amp, "compile": args.compile}
     for name, values in times.items():
         median = statistics.median(values)
         entry = {"step_ms": round(1000 * median, 2), "tokens_per_s": round(n_tokens / median)}

@@ -56,6 +56,7 @@ PROFILES = {
 }
 COMMON = dict(weight_decay=0.1, beta1=0.9, beta2=0.99, grad_clip=1.0, seed=1337, bpe_vocab=512)
 AT_LEAST_ONE = ("n_layers", "n_heads", "d_model", "block_size", "batch_size", "eval_batches")
+LOSSES = ("train_loss", "val_loss")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -68,7 +69,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--device", help="cpu, cuda, mps (default: the best available)")
     parser.add_argument("--compile", action="store_true", help="torch.compile the model")
     parser.add_argument("--no-amp", action="store_true", help="no bf16 autocast on CUDA")
-    parser.add_argument("--tie-embeddings", action="store_true", help="unembedding = token embedding transposed")
+    parser.add_argument("--tie-embeddings", action="store_true", help="W_U = W_E transposed")
     parser.add_argument("--sample-tokens", type=int, default=300, help="tokens to sample at the end")
     for name, value in {**PROFILES["baby"], **COMMON}.items():
         parser.add_argument(f"--{name.replace('_', '-')}", type=type(value), default=None)
@@ -79,7 +80,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for name in ("max_steps", "warmup_steps", "eval_every", "sample_tokens", *AT_LEAST_ONE):
         low = 1 if name in AT_LEAST_ONE else 0
         if getattr(args, name) < low:
-            parser.error(f"--{name.replace('_', '-')}: expected an int >= {low}, got {getattr(args, name)}")
+            flag = "--" + name.replace("_", "-")
+            parser.error(f"{flag}: expected an int >= {low}, got {getattr(args, name)}")
     if args.bpe_vocab < 256:
         parser.error(f"--bpe-vocab: expected at least the 256 byte tokens, got {args.bpe_vocab}")
     if args.out is not None and args.out.exists() and not args.out.is_dir():
@@ -208,16 +210,18 @@ def main(argv: list[str] | None = None) -> dict:
     }
     if rank == 0:
         for name, record in (("last", result["final"]), ("best", result["best"])):
-            losses = ", ".join(f"{k} {record[k]:.4f}" for k in ("train_loss", "val_loss") if k in record)
+            losses = ", ".join(f"{k} {record[k]:.4f}" for k in LOSSES if k in record)
             print(f"{name}: step {record.get('step')}: {losses}", flush=True)
         print(f"training took {wall:.0f} s", flush=True)
         if history.best_state is not None:
             model.load_state_dict(history.best_state)  # the last weights stay in checkpoint.pt
         if args.sample_tokens:
-            # A newline starts a sample the way a speech starts; a text without one starts from its first token.
-            prompt = tokenizer.encode("\n") if "\n" in text else train_data[:1].tolist()
-            sample = generate(model, torch.tensor([prompt], device=device), args.sample_tokens, temperature=0.8, top_k=200)
-            source = f"the best model (step {history.best['step']})" if history.best else "the last model"
+            # Start as a speech does, after a newline (or, with none in the text, its first token).
+            ids = tokenizer.encode("\n") if "\n" in text else train_data[:1].tolist()
+            prompt = torch.tensor([ids], device=device)
+            sample = generate(model, prompt, args.sample_tokens, temperature=0.8, top_k=200)
+            best = history.best
+            source = f"the best model (step {best['step']})" if best else "the last model"
             print(f"sample from {source}:\n" + tokenizer.decode(sample[0].tolist()), flush=True)
         if args.out is not None:
             atomic_write(args.out / "results.json", json.dumps(result, indent=1))

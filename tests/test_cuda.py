@@ -31,7 +31,13 @@ from transformer_course.masking import causal_mask, combine_masks, padding_mask
 from transformer_course.training import CHECKPOINT_NAME, TrainConfig, read_checkpoint, train
 
 # Helpers shared with the CPU-only reference tests (pytest puts tests/ on sys.path).
-from test_encoder_decoder import batch_with_padding, map_weights, reference_logits, reference_transformer, small_config
+from test_encoder_decoder import (
+    batch_with_padding,
+    map_weights,
+    reference_logits,
+    reference_transformer,
+    small_config,
+)
 from test_gpt2 import TINY, hf_model
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
@@ -43,7 +49,7 @@ BF16_RTOL = 0.04
 
 
 def run_on(device: str, precision: str, fn, *args):
-    """`fn(*args)` on `device` without gradients, under bf16 autocast if asked; the result as float32 on the CPU."""
+    """`fn(*args)` on `device`, no gradients, bf16 autocast if asked, as float32 on the CPU."""
     with torch.no_grad(), torch.autocast(device, dtype=torch.bfloat16, enabled=precision == "bf16"):
         out = fn(*args)
     return out.float().cpu()
@@ -67,7 +73,8 @@ def test_masks_are_built_on_the_device(device):
     expected = torch.tensor([[j <= i + 2 for j in range(7)] for i in range(5)])
     assert torch.equal(mask.cpu(), expected)
     tokens = torch.tensor([[3, 4, 0], [5, 0, 0]], device=device)
-    assert torch.equal(padding_mask(tokens, 0).cpu(), torch.tensor([[[[1, 1, 0]]], [[[1, 0, 0]]]], dtype=torch.bool))
+    expected = torch.tensor([[[[1, 1, 0]]], [[[1, 0, 0]]]], dtype=torch.bool)
+    assert torch.equal(padding_mask(tokens, 0).cpu(), expected)
 
 
 @pytest.mark.parametrize("precision", PRECISIONS)
@@ -78,7 +85,8 @@ def test_attention_matches_torch_sdpa(device, precision):
     mask = combine_masks(causal_mask(6), torch.rand(2, 1, 1, 6, generator=generator) > 0.3)
     mask[..., 0] = True  # every query keeps a key: SDPA's output for a fully masked row is NaN
     expected = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-    actual = run_on(device, precision, lambda *t: scaled_dot_product_attention(*t)[0], *to(device, q, k, v, mask))
+    ours = lambda *t: scaled_dot_product_attention(*t)[0]  # noqa: E731
+    actual = run_on(device, precision, ours, *to(device, q, k, v, mask))
     assert_matches(actual, expected, precision)
 
 
@@ -95,10 +103,11 @@ def test_norms_match_torch(device, precision):
             for param in ours.parameters():
                 param.copy_(torch.randn(param.shape, generator=generator))
         expected = reference(ours).detach()
-        assert_matches(run_on(device, precision, ours.to(device), x.to(device)), expected, precision)
+        actual = run_on(device, precision, ours.to(device), x.to(device))
+        assert_matches(actual, expected, precision)
 
 
-def reference_self_attention(mha: MultiHeadAttention, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+def reference_self_attention(mha: MultiHeadAttention, x: torch.Tensor, mask: torch.Tensor):
     """Multi-head attention written with torch's SDPA and plain matmuls, on the CPU in float32."""
     q, k, v = ((x @ W.transpose(0, 1).flatten(1)).unflatten(-1, W.shape[::2]) + b for W, b in (
         (mha.W_Q, mha.b_Q), (mha.W_K, mha.b_K), (mha.W_V, mha.b_V)))
@@ -123,11 +132,13 @@ def test_multi_head_attention_fast_causal_path_matches_the_masked_reference(devi
     x_dev, keep_dev = to(device, x, keep)
     for fast in (False, True):
         mha.use_fast_path = fast
-        assert_matches(run_on(device, precision, lambda: mha(x_dev, causal=True)), causal, precision)
-        assert_matches(run_on(device, precision, lambda: mha(x_dev, mask=keep_dev, causal=True)), causal_and_padding, precision)
+        causal_only = run_on(device, precision, lambda: mha(x_dev, causal=True))
+        assert_matches(causal_only, causal, precision)
+        padded = run_on(device, precision, lambda: mha(x_dev, mask=keep_dev, causal=True))
+        assert_matches(padded, causal_and_padding, precision)
         # causal=True is the same as passing the causal mask.
         explicit = run_on(device, precision, lambda: mha(x_dev, mask=causal_mask(7, device=device)))
-        assert_matches(run_on(device, precision, lambda: mha(x_dev, causal=True)), explicit, precision)
+        assert_matches(causal_only, explicit, precision)
         # Fewer queries than keys: the last query sees every key (causal_mask's KV-cache alignment).
         shorter = run_on(device, precision, lambda: mha(x_dev[:, 3:], context=x_dev, causal=True))
         assert_matches(shorter, causal[:, 3:], precision)
@@ -155,7 +166,8 @@ def test_fast_causal_path_runs_on_the_flash_kernel(device):
 def test_gpt2_matches_hugging_face(device, precision, fast):
     reference = hf_model()
     ours = GPT2.from_huggingface(reference).eval().use_fast_path(fast).to(device)
-    tokens = torch.randint(0, TINY["vocab_size"], (3, TINY["n_positions"]), generator=torch.Generator().manual_seed(4))
+    shape = (3, TINY["n_positions"])
+    tokens = torch.randint(0, TINY["vocab_size"], shape, generator=torch.Generator().manual_seed(4))
     with torch.no_grad():
         expected = reference(tokens).logits
     assert_matches(run_on(device, precision, ours, tokens.to(device)), expected, precision)
@@ -167,21 +179,23 @@ def test_gpt2_matches_hugging_face(device, precision, fast):
 def test_encoder_decoder_matches_torch_transformer(device, precision, fast):
     torch.manual_seed(5)
     cfg = small_config(norm="post", act_fn="relu")
-    theirs = reference_transformer(cfg).train()  # train mode keeps torch off its padding-skipping fast path
+    theirs = reference_transformer(cfg).train()  # train mode: torch's padding-skipping path is off
     ours = EncoderDecoderTransformer(cfg).eval()
     map_weights(ours, theirs)
     src, tgt = batch_with_padding()
     with torch.no_grad():
         expected = reference_logits(ours, theirs, src, tgt)
     ours.set_fast_attention(fast)
-    assert_matches(run_on(device, precision, ours.to(device), *to(device, src, tgt)), expected, precision)
+    actual = run_on(device, precision, ours.to(device), *to(device, src, tgt))
+    assert_matches(actual, expected, precision)
 
 
 def tiny_training_run(device: str, *, compiled: bool, **settings):
     torch.manual_seed(6)
-    model = GPT2(GPT2Config(d_model=32, n_layers=2, n_heads=4, d_vocab=61, n_ctx=16)).use_fast_path().to(device)
+    cfg = GPT2Config(d_model=32, n_layers=2, n_heads=4, d_vocab=61, n_ctx=16)
+    model = GPT2(cfg).use_fast_path().to(device)
     if compiled:
-        # Inductor on the GPU; on the CPU aot_eager traces the same graphs without C++ code generation.
+        # Inductor on the GPU; on the CPU aot_eager traces the same graphs without compiling C++.
         model.compile(backend="inductor" if device == "cuda" else "aot_eager", fullgraph=True)
     data = torch.randint(0, 61, (4, 17), generator=torch.Generator().manual_seed(7)).to(device)
     cfg = TrainConfig(max_steps=6, lr=3e-3, log_every=3, progress=False, **settings)
@@ -210,10 +224,11 @@ def test_a_non_finite_step_is_not_taken_on_the_device(device, fused, tmp_path):
         return x * (math.nan if step == 4 else 1.0)
 
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=fused)
-    cfg = TrainConfig(max_steps=8, lr=1e-2, log_every=6, checkpoint_every=2, checkpoint_dir=tmp_path, progress=False)
+    cfg = TrainConfig(max_steps=8, lr=1e-2, log_every=6, checkpoint_every=2,
+                      checkpoint_dir=tmp_path, progress=False)
     with pytest.raises(FloatingPointError, match="step 4"):
         train(model, cfg, get_batch, lambda m, b: m(b).square().mean(), optimizer=optimizer)
-    assert all(p.isfinite().all() for p in model.parameters())  # the NaN step was skipped, the next taken
+    assert all(p.isfinite().all() for p in model.parameters())  # NaN step skipped, the next taken
     saved = read_checkpoint(tmp_path / CHECKPOINT_NAME)
     assert saved["step"] == 4  # written before step 4; nothing after it
     assert all(t.isfinite().all() for t in saved["model"].values())

@@ -150,7 +150,7 @@ def test_from_huggingface_rejects_non_gpt2_variants():
         GPT2.from_huggingface(reference)
 
 
-@pytest.mark.parametrize("not_hf", [torch.nn.Linear(2, 2), {"transformer.wte.weight": torch.zeros(2)}, "gpt2"])
+@pytest.mark.parametrize("not_hf", [torch.nn.Linear(2, 2), {"lm_head.weight": torch.ones(2)}, "x"])
 def test_from_huggingface_refuses_what_is_not_a_hugging_face_gpt2(not_hf):
     with pytest.raises(TypeError, match="hf_model: expected a Hugging Face GPT2LMHeadModel"):
         GPT2.from_huggingface(not_hf)
@@ -240,7 +240,7 @@ def test_activations_match_transformer_lens_cache_by_name():
         (torch.tensor([[1, -1, 3]]), ValueError, "d_vocab=61"),
         (torch.tensor([[1.0, 2.0]]), TypeError, "integer"),
         (torch.tensor([[True, False]]), TypeError, "integer"),
-        (torch.tensor([[1, 2]], dtype=torch.uint8), TypeError, "torch.uint8"),  # would index as a mask
+        (torch.tensor([[1, 2]], dtype=torch.uint8), TypeError, "torch.uint8"),  # indexes as a mask
         (torch.tensor([1, 2, 3]), ValueError, r"\(batch, pos\)"),
         ([[1, 2, 3]], TypeError, "torch.Tensor"),
     ],

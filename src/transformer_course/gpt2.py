@@ -159,7 +159,7 @@ def check_tokens(tokens: object, cfg: GPT2Config, *, any_length: bool = False) -
         raise TypeError(f"tokens: expected an integer torch.Tensor of shape (batch, pos), got {type(tokens).__name__}")
     if tokens.dtype not in TOKEN_DTYPES:
         # uint8 and bool tensors would index W_E as a mask, not as ids.
-        raise TypeError(f"tokens: expected an integer dtype, torch.long or torch.int32, got {tokens.dtype}")
+        raise TypeError(f"tokens: expected an integer dtype (torch.long), got {tokens.dtype}")
     if tokens.ndim != 2:
         raise ValueError(f"tokens: expected shape (batch, pos), got {tuple(tokens.shape)}")
     if tokens.shape[1] > cfg.n_ctx and not any_length:
@@ -289,9 +289,10 @@ class GPT2(HookedRootModule):
             act_fn=hf_cfg.activation_function,
         )
         hf = hf_model.state_dict()
-        for key in ("transformer.wte.weight", "lm_head.weight", f"transformer.h.{cfg.n_layers - 1}.attn.c_attn.weight"):
+        last_layer = f"transformer.h.{cfg.n_layers - 1}.attn.c_attn.weight"
+        for key in ("transformer.wte.weight", "lm_head.weight", last_layer):
             if key not in hf:
-                raise TypeError(f"hf_model: expected a GPT2LMHeadModel with the weight {key!r}, which is missing")
+                raise TypeError(f"hf_model: expected a GPT2LMHeadModel, but {key!r} is missing")
         n_heads = cfg.n_heads
         state = {
             "embed.W_E": hf["transformer.wte.weight"],
@@ -362,7 +363,7 @@ def generate(
             logits: Float[Tensor, "batch d_vocab"] = model(context)[:, -1, :].float()
             if not logits.isfinite().all():
                 raise FloatingPointError(
-                    f"model: its logits after {tokens.shape[1]} tokens are not finite (NaN or inf); "
+                    f"model: its logits after {tokens.shape[1]} tokens are not finite; "
                     "check the weights and the input"
                 )
             if temperature == 0:

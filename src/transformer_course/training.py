@@ -42,7 +42,7 @@ from torch import Tensor, nn
 Batch = Any
 CHECKPOINT_NAME = "checkpoint.pt"
 BEST_NAME = "best.pt"
-CHECKPOINT_FIELDS = ("model", "optimizer", "step", "rng", "history", "architecture")
+FIELDS = ("model", "optimizer", "step", "rng", "history", "architecture")  # of a checkpoint
 SCHEDULES = ("constant", "cosine", "inverse_sqrt")
 
 
@@ -76,7 +76,7 @@ class TrainConfig:
     best_metric: str | None = None
 
     def __post_init__(self) -> None:
-        for name in ("max_steps", "warmup_steps", "eval_every", "log_every", "checkpoint_every", "seed"):
+        for name in ("max_steps", "warmup_steps", "eval_every", "log_every", "checkpoint_every"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"{name}: expected an int >= 0, got {value!r}")
@@ -86,18 +86,21 @@ class TrainConfig:
             value = getattr(self, name)
             if not _is_number(value) or not 0 <= value < math.inf:
                 raise ValueError(f"{name}: expected a finite number >= 0, got {value!r}")
-        if self.grad_clip is not None and (not _is_number(self.grad_clip) or not 0 <= self.grad_clip < math.inf):
-            raise ValueError(f"grad_clip: expected None (no clipping) or a finite number >= 0, got {self.grad_clip!r}")
+        clip = self.grad_clip
+        if clip is not None and (not _is_number(clip) or not 0 <= clip < math.inf):
+            raise ValueError(f"grad_clip: expected None (no clipping) or finite >= 0, got {clip}")
         if len(self.betas) != 2 or not all(_is_number(b) and 0 <= b < 1 for b in self.betas):
             raise ValueError(f"betas: expected two numbers in [0, 1), got {self.betas!r}")
         if not callable(self.lr_schedule) and self.lr_schedule not in SCHEDULES:
             raise ValueError(f"lr_schedule: expected one of {SCHEDULES} or a function, got {self.lr_schedule!r}")
         if self.checkpoint_every and self.checkpoint_dir is None:
             raise ValueError("checkpoint_dir: checkpoint_every is set, so a directory is needed, got None")
-        if self.checkpoint_dir is not None and Path(self.checkpoint_dir).exists() and not Path(self.checkpoint_dir).is_dir():
-            raise ValueError(f"checkpoint_dir: expected a directory, got the file {self.checkpoint_dir}")
-        if self.best_metric is not None and not (isinstance(self.best_metric, str) and self.best_metric):
-            raise ValueError(f"best_metric: expected None or the name of a metric, got {self.best_metric!r}")
+        folder = self.checkpoint_dir
+        if folder is not None and Path(folder).exists() and not Path(folder).is_dir():
+            raise ValueError(f"checkpoint_dir: expected a directory, got the file {folder}")
+        metric = self.best_metric
+        if metric is not None and not (isinstance(metric, str) and metric):
+            raise ValueError(f"best_metric: expected None or the name of a metric, got {metric!r}")
 
 
 def _is_number(value: object) -> bool:
@@ -113,7 +116,7 @@ class History:
     lr: list[float] = field(default_factory=list)
     grad_norm: list[float] = field(default_factory=list)
     evals: list[dict[str, float]] = field(default_factory=list)  # each has a "step" key
-    best: dict[str, float] = field(default_factory=dict)  # the best evaluation: {"step": ..., metric: ...}
+    best: dict[str, float] = field(default_factory=dict)  # {"step": s, metric: v} of the best eval
     # The weights of the best evaluation (on the CPU); not part of `to_dict`.
     best_state: dict[str, Tensor] | None = field(default=None, repr=False, compare=False)
 
@@ -122,11 +125,12 @@ class History:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> History:
-        missing = [f.name for f in fields(cls) if f.name not in data and f.name not in ("best", "best_state")]
+        lists = [f.name for f in fields(cls) if f.name not in ("best", "best_state")]
+        missing = [name for name in lists if name not in data]
         if missing:
             raise ValueError(f"history: expected the fields {missing}, which are missing")
-        return cls(**{f.name: list(data[f.name]) for f in fields(cls) if f.name not in ("best", "best_state")},
-                   best=dict(data.get("best", {})))
+        # "best" is absent from checkpoints written before it existed.
+        return cls(**{name: list(data[name]) for name in lists}, best=dict(data.get("best", {})))
 
 
 # Learning-rate schedules: plain functions of the step, so a notebook can plot them.
@@ -288,25 +292,28 @@ def read_checkpoint(path: str | Path) -> dict[str, Any]:
     except (pickle.UnpicklingError, EOFError, OSError, RuntimeError, ValueError) as error:
         if "Unsupported global" in str(error):
             raise ValueError(
-                f"checkpoint {path}: holds objects other than tensors and plain data, so it was not "
-                "written by this course; refusing to unpickle it"
+                f"checkpoint {path}: holds objects other than tensors and plain data, so it was "
+                "not written by this course; refusing to unpickle it"
             ) from None
-        reason = "not a valid PyTorch file" if isinstance(error, pickle.UnpicklingError) else str(error)
+        unpickling = isinstance(error, pickle.UnpicklingError)
+        reason = "not a PyTorch file" if unpickling else str(error) or "unexpected end of file"
         raise ValueError(
-            f"checkpoint {path}: cannot be read ({type(error).__name__}: {reason or 'unexpected end of file'}); "
-            f"it is empty, truncated or not a checkpoint ({path.stat().st_size} bytes). Delete it to start again"
+            f"checkpoint {path}: cannot be read ({type(error).__name__}: {reason}); it is empty, "
+            f"truncated or not a checkpoint ({path.stat().st_size} bytes). Delete it to start again"
         ) from None
     if not isinstance(checkpoint, dict):
-        raise ValueError(f"checkpoint {path}: expected a dict of {CHECKPOINT_FIELDS}, got a {type(checkpoint).__name__}")
-    for key in CHECKPOINT_FIELDS:
+        got = type(checkpoint).__name__
+        raise ValueError(f"checkpoint {path}: expected a dict of {FIELDS}, got a {got}")
+    for key in FIELDS:
         if key not in checkpoint:
-            raise ValueError(f"checkpoint {path}: the field {key!r} is missing (expected {CHECKPOINT_FIELDS})")
+            raise ValueError(f"checkpoint {path}: the field {key!r} is missing (of {FIELDS})")
     step = checkpoint["step"]
     if isinstance(step, bool) or not isinstance(step, int) or step < 0:
         raise ValueError(f"checkpoint {path}: field 'step' must be an int >= 0, got {step!r}")
-    for key, kind in (("model", dict), ("history", dict), ("architecture", dict)):
-        if not isinstance(checkpoint[key], kind):
-            raise ValueError(f"checkpoint {path}: field {key!r} must be a {kind.__name__}, got {type(checkpoint[key]).__name__}")
+    for key in ("model", "history", "architecture"):
+        if not isinstance(checkpoint[key], dict):
+            got = type(checkpoint[key]).__name__
+            raise ValueError(f"checkpoint {path}: field {key!r} must be a dict, got {got}")
     return checkpoint
 
 
@@ -321,7 +328,7 @@ def load_checkpoint(
     try:
         problems = _describe_mismatch(checkpoint["architecture"], _architecture(model))
     except (KeyError, TypeError, AttributeError) as error:
-        raise ValueError(f"checkpoint {path}: field 'architecture' is malformed ({error!r})") from None
+        raise ValueError(f"checkpoint {path}: field 'architecture' is malformed: {error}") from None
     if problems:
         raise ValueError(
             f"checkpoint {path} was saved from a different model; use another checkpoint_dir or the "
@@ -337,7 +344,7 @@ def load_checkpoint(
 
 
 def _draw_bar() -> bool:
-    """A tqdm bar only on a terminal: a notebook or a log file gets plain lines at the log interval."""
+    """A tqdm bar only on a terminal; a notebook or a log file gets plain lines at each log step."""
     return sys.stderr.isatty() and "ipykernel" not in sys.modules
 
 
@@ -391,7 +398,7 @@ def train(
     best and `History.best_state` holds its weights.
     """
     if cfg.best_metric is not None and evaluate is None:
-        raise ValueError(f"evaluate: best_metric={cfg.best_metric!r} needs an evaluate function, got None")
+        raise ValueError(f"evaluate: best_metric={cfg.best_metric!r} needs a function, got None")
     distributed = dist.is_available() and dist.is_initialized()
     is_main = not distributed or dist.get_rank() == 0
     device = next(model.parameters()).device
@@ -413,7 +420,8 @@ def train(
         try:
             history = History.from_dict(checkpoint["history"])
         except (TypeError, ValueError) as error:
-            raise ValueError(f"checkpoint {checkpoint_path}: field 'history' is malformed ({error})") from None
+            problem = f"checkpoint {checkpoint_path}: field 'history' is malformed: {error}"
+            raise ValueError(problem) from None
         _set_rng_state(checkpoint["rng"])
         if history.best and best_path.exists():
             best = read_checkpoint(best_path)
@@ -446,17 +454,17 @@ def train(
         on the first step whose loss or gradients were not finite (that step was not taken)."""
         if not pending:
             return
-        values = torch.stack([torch.stack((loss, norm)) for _, loss, norm in pending]).float().tolist()
+        values = torch.stack([torch.stack(pair) for _, *pair in pending]).float().tolist()
         steps = [step for step, _, _ in pending]
         pending.clear()
-        bad = [(step, loss, norm) for step, (loss, norm) in zip(steps, values) if not (math.isfinite(loss) and math.isfinite(norm))]
+        bad = [(s, *v) for s, v in zip(steps, values) if not all(map(math.isfinite, v))]
         if bad:
             step, loss, norm = bad[0]
-            kept = f"; {checkpoint_path} (step {saved_step}) is intact" if checkpoint_path is not None else ""
+            kept = f"; {checkpoint_path} (step {saved_step}) is intact" if checkpoint_path else ""
             raise FloatingPointError(
-                f"step {step}: loss {loss}, gradient norm {norm}: not finite, so the step was not taken "
-                f"({len(bad)} such step(s) up to step {steps[-1]}) and training stopped{kept}. "
-                "Lower lr or check the data"
+                f"step {step}: loss {loss}, gradient norm {norm}: not finite, so the step was not "
+                f"taken ({len(bad)} such step(s) up to step {steps[-1]}) and training "
+                f"stopped{kept}. Lower lr or check the data"
             )
         history.step.extend(steps)
         history.train_loss.extend(loss for loss, _ in values)
@@ -465,7 +473,7 @@ def train(
     def save(path: Path, step: int) -> None:
         if is_main:
             if not _all_finite(params):
-                raise FloatingPointError(f"step {step}: the weights are not finite; {path} was not overwritten")
+                raise FloatingPointError(f"step {step}: weights not finite; {path} was not written")
             save_checkpoint(path, raw_model, optimizer, step, history)
         if distributed:
             dist.barrier()
@@ -476,7 +484,8 @@ def train(
         if not cfg.progress:
             return
         if bar is not None:
-            bar.set_postfix(loss=f"{record['loss']:.3f}" if "loss" in record else None, lr=f"{history.lr[-1]:.1e}")
+            if "loss" in record:
+                bar.set_postfix(loss=f"{record['loss']:.3f}", lr=f"{history.lr[-1]:.1e}")
             bar.write(_format(record))
         else:
             print(f"{_format(record)} | {time.perf_counter() - started:.0f}s", flush=True)
@@ -514,12 +523,15 @@ def train(
             model.train()
             history.evals.append({"step": done, **metrics})
             if cfg.best_metric is not None:
-                if cfg.best_metric not in metrics:
-                    raise ValueError(f"best_metric: {cfg.best_metric!r} is not among evaluate's metrics {sorted(metrics)}")
-                value = metrics[cfg.best_metric]
-                if math.isfinite(value) and (not history.best or value < history.best[cfg.best_metric]):
-                    history.best = {"step": done, cfg.best_metric: value}
-                    history.best_state = {k: v.detach().to("cpu", copy=True) for k, v in raw_model.state_dict().items()}
+                name = cfg.best_metric
+                if name not in metrics:
+                    got = sorted(metrics)
+                    raise ValueError(f"best_metric: {name!r} is not among evaluate's metrics {got}")
+                value = metrics[name]
+                if math.isfinite(value) and (not history.best or value < history.best[name]):
+                    history.best = {"step": done, name: value}
+                    state = raw_model.state_dict()
+                    history.best_state = {k: v.detach().cpu().clone() for k, v in state.items()}
                     if best_path is not None:
                         save(best_path, done)
             if is_main:
@@ -528,7 +540,8 @@ def train(
             report(record)
         if bar is not None:
             bar.update(1)
-        if checkpoint_path is not None and ((cfg.checkpoint_every and done % cfg.checkpoint_every == 0) or last):
+        periodic = cfg.checkpoint_every and done % cfg.checkpoint_every == 0
+        if checkpoint_path is not None and (periodic or last):
             collect()
             save(checkpoint_path, done)
             saved_step = done

@@ -54,7 +54,13 @@ from transformer_course.encoder_decoder import (
 )
 from transformer_course.runtime import get_device, get_profile
 from transformer_course.tokenization import GPT2_SPLIT_PATTERN, BPETokenizer
-from transformer_course.training import CHECKPOINT_NAME, History, TrainConfig, read_checkpoint, train
+from transformer_course.training import (
+    CHECKPOINT_NAME,
+    History,
+    TrainConfig,
+    read_checkpoint,
+    train,
+)
 
 Pair = tuple[str, str]
 SPLIT_SEED = 2017
@@ -155,10 +161,17 @@ class LengthBatches:
     """
 
     def __init__(
-        self, tokenizer: BPETokenizer, pairs: Sequence[Pair], batch_size: int, *, seed: int = 0, device="cpu",
+        self,
+        tokenizer: BPETokenizer,
+        pairs: Sequence[Pair],
+        batch_size: int,
+        *,
+        seed: int = 0,
+        device="cpu",
         buckets: Sequence[int] = (),
     ):
-        if list(buckets) != sorted(set(buckets)) or any(isinstance(b, bool) or not isinstance(b, int) or b < 1 for b in buckets):
+        ints = all(isinstance(b, int) and not isinstance(b, bool) and b >= 1 for b in buckets)
+        if not ints or list(buckets) != sorted(set(buckets)):
             raise ValueError(f"buckets: expected increasing positive ints, got {tuple(buckets)}")
         self.pad, self.bos, self.eos = (tokenizer.special_tokens[t] for t in (PAD, BOS, EOS))
         self.examples = [(tokenizer.encode(e) + [self.eos], tokenizer.encode(s)) for e, s in pairs]
@@ -175,7 +188,8 @@ class LengthBatches:
         if not self.buckets:
             return length
         if k == len(self.buckets):
-            raise ValueError(f"buckets: the largest, {self.buckets[-1]}, is shorter than a sequence of {length} tokens")
+            largest = self.buckets[-1]
+            raise ValueError(f"buckets: the largest, {largest}, is shorter than a batch's {length}")
         return self.buckets[k]
 
     def shapes(self, indices: Sequence[int]) -> tuple[int, int, int]:
@@ -295,12 +309,15 @@ class TranslationRun:
     train_seconds: float  # 0 when everything came from the cache
 
 
-def train_config(setup: TranslationSetup, *, progress: bool = True, log_every: int = 50) -> TrainConfig:
+def train_config(
+    setup: TranslationSetup, *, progress: bool = True, log_every: int = 50
+) -> TrainConfig:
     """The training settings for `setup` (validated as a whole when built)."""
     return TrainConfig(
-        max_steps=setup.max_steps, lr=setup.lr, warmup_steps=setup.warmup_steps, lr_schedule="inverse_sqrt",
-        betas=(0.9, 0.98), weight_decay=0.0, grad_clip=1.0, eval_every=setup.eval_every, log_every=log_every,
-        checkpoint_every=setup.eval_every, checkpoint_dir=cache_dir(setup), seed=setup.seed, progress=progress,
+        max_steps=setup.max_steps, lr=setup.lr, warmup_steps=setup.warmup_steps,
+        lr_schedule="inverse_sqrt", betas=(0.9, 0.98), weight_decay=0.0, grad_clip=1.0,
+        eval_every=setup.eval_every, log_every=log_every, checkpoint_every=setup.eval_every,
+        checkpoint_dir=cache_dir(setup), seed=setup.seed, progress=progress,
     )
 
 
@@ -315,7 +332,7 @@ def run_translation(
     """Train (or load from the cache, or resume) the model for `setup`; print sample translations as it goes."""
     device = get_device()
     folder = cache_dir(setup)
-    train_config(setup, progress=progress, log_every=log_every)  # refuse bad settings before any work
+    train_config(setup, progress=progress, log_every=log_every)  # refused before any work
     folder.mkdir(parents=True, exist_ok=True)
     splits = load_splits(setup.max_words)
     tokenizer_path = folder / "tokenizer.json"
@@ -330,11 +347,12 @@ def run_translation(
     model = EncoderDecoderTransformer(model_config(setup, tokenizer)).to(device)
     model.set_fast_attention(True)
     sizes = dict(device=device, buckets=setup.length_buckets)
-    train_batches = LengthBatches(tokenizer, splits["train"], setup.batch_size, seed=setup.seed, **sizes)
+    pairs = splits["train"]
+    train_batches = LengthBatches(tokenizer, pairs, setup.batch_size, seed=setup.seed, **sizes)
     valid_batches = LengthBatches(tokenizer, splits["valid"], 256, **sizes)
     if progress:
-        shapes = train_batches.distinct_shapes()
-        print(f"{shapes} distinct batch shapes in an epoch of {len(train_batches)} batches", flush=True)
+        shapes, n = train_batches.distinct_shapes(), len(train_batches)
+        print(f"{shapes} distinct batch shapes in an epoch of {n} batches", flush=True)
 
     def evaluate(model: EncoderDecoderTransformer) -> dict[str, float]:
         if progress and samples:
@@ -359,7 +377,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--beam-size", type=int, default=4, help="beam size for the BLEU evaluation (1 = greedy)")
     parser.add_argument("--threads", type=int, help="CPU threads for PyTorch (1 is fastest on a busy machine)")
     args = parser.parse_args(argv)
-    for flag, value, low in (("--max-steps", args.max_steps, 0), ("--beam-size", args.beam_size, 1), ("--threads", args.threads, 1)):
+    limits = {"--max-steps": (args.max_steps, 0), "--beam-size": (args.beam_size, 1)}
+    limits["--threads"] = (args.threads, 1)
+    for flag, (value, low) in limits.items():
         if value is not None and value < low:
             parser.error(f"{flag}: expected an int >= {low}, got {value}")
     if args.threads is not None:
