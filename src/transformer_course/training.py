@@ -428,7 +428,7 @@ def train(
             if best["step"] == history.best["step"]:
                 history.best_state = best["model"]
         if history.best_state is None:
-            history.best = {}  # best.pt is from after this checkpoint: it is found again on the way
+            history.best = {}  # best.pt missing, or from after this checkpoint: found again below
         if is_main and cfg.progress:
             action = "loaded the finished run" if start >= cfg.max_steps else "resuming"
             print(f"{action} from {checkpoint_path} (step {start})", flush=True)
