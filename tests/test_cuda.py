@@ -192,7 +192,7 @@ def test_encoder_decoder_matches_torch_transformer(device, precision, fast):
 
 def tiny_training_run(device: str, *, compiled: bool, **settings):
     torch.manual_seed(6)
-    cfg = GPT2Config(d_model=32, n_layers=2, n_heads=4, d_vocab=61, n_ctx=16)
+    cfg = GPT2Config(d_model=32, n_layers=1, n_heads=4, d_vocab=61, n_ctx=16)
     model = GPT2(cfg).use_fast_path().to(device)
     if compiled:
         # Inductor on the GPU; on the CPU aot_eager traces the same graphs without compiling C++.
@@ -202,7 +202,7 @@ def tiny_training_run(device: str, *, compiled: bool, **settings):
     return train(model, cfg, lambda step: data, lambda m, b: lm_loss(m(b[:, :-1]), b[:, 1:]))
 
 
-@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("device", [pytest.param("cpu", marks=pytest.mark.slow), DEVICES[1]])
 def test_a_few_training_steps_under_torch_compile_match_eager(device):
     """Under bf16 autocast on CUDA (the loop's default) compiled kernels round differently: 2%."""
     eager = tiny_training_run(device, compiled=False)
