@@ -4,7 +4,16 @@ Both models get the same architecture, batch and optimizer (AdamW, fused on CUDA
 step is forward + backward + optimizer step. The two are timed in alternating rounds in the
 same process, so machine load affects both alike; the report is the median step time.
 On a GPU the step also runs under bf16 autocast (optionally `--compile`), and the report adds
-tokens per second and the model FLOPs utilisation (MFU) against the device's peak.
+the model FLOPs utilisation (MFU) against the device's peak. FLOPs are counted as nanoGPT does
+(`estimate_mfu`, after the PaLM paper's appendix B), per token of a training step:
+
+    6 * N  +  12 * L * H * Q * T
+
+with N the parameters that do matmul work per token: every parameter except the token and
+position embedding tables (a lookup costs no FLOPs), but with the unembedding `W_U` (for a tied
+model, `W_E` counted once as the unembedding); L layers, H heads of size Q, T positions. The
+6 is 2 (multiply-add) x 3 (forward, and backward for inputs and for weights); 12 * L * H * Q * T
+is attention's score and value matmuls, which have no parameters.
 
     python benchmarks/gpt2.py                    # CPU: nanoGPT's baby GPT (4 layers, 128 wide)
     python benchmarks/gpt2.py --size small       # GPT-2 small (124M), block 1024 (for a GPU)
@@ -32,10 +41,16 @@ SIZES = {
 }
 
 
-def flops_per_token(n_params: int, n_layer: int, n_ctx: int, d_model: int) -> float:
-    """Training FLOPs per token: 6 per parameter (forward + backward) plus attention's
-    12 * n_layer * n_ctx * d_model (the PaLM appendix estimate nanoGPT uses)."""
-    return 6 * n_params + 12 * n_layer * n_ctx * d_model
+def flop_params(model: GPT2) -> int:
+    """N in the FLOP count: the non-embedding parameters plus the unembedding."""
+    unembedding_in_W_E = model.embed.W_E.numel() if model.cfg.tie_embeddings else 0
+    return model.num_params(non_embedding=True) + unembedding_in_W_E
+
+
+def flops_per_token(model: GPT2, seq_len: int) -> float:
+    """Training FLOPs per token, 6 N + 12 L H Q T (see the module docstring)."""
+    cfg = model.cfg
+    return 6 * flop_params(model) + 12 * cfg.n_layers * cfg.n_heads * cfg.d_head * seq_len
 
 
 def step_timer(model: torch.nn.Module, loss_of: Callable, tokens: torch.Tensor, amp: bool) -> Callable[[], float]:
@@ -95,11 +110,11 @@ def main() -> None:
         for name, timer in timers.items():
             times[name].append(timer())
 
-    n_params = sum(p.numel() for p in ours.parameters())
-    per_token = flops_per_token(n_params, size["n_layer"], size["n_positions"], size["n_embd"])
+    per_token = flops_per_token(ours, tokens.shape[1])
     n_tokens = tokens.numel()
-    report = {"device": str(device), "size": args.size, "params": n_params, "batch": list(tokens.shape),
-              "amp_bf16": amp, "compile": args.compile}
+    report = {"device": str(device), "size": args.size, "params": ours.num_params(),
+              "flop_params": flop_params(ours), "flops_per_token": per_token,
+              "batch": list(tokens.shape), "amp_bf16": amp, "compile": args.compile}
     for name, values in times.items():
         median = statistics.median(values)
         entry = {"step_ms": round(1000 * median, 2), "tokens_per_s": round(n_tokens / median)}

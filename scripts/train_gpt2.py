@@ -4,8 +4,15 @@ Profiles reproduce nanoGPT's shakespeare_char runs:
 
     python scripts/train_gpt2.py --profile baby   # CPU "baby GPT": 4 layers, 4 heads, 128 wide,
                                                   # block 64, batch 12, 2000 steps; val loss ~1.88
-    python scripts/train_gpt2.py --profile full   # GPU: 6/6/384, block 256, batch 64, 5000 steps,
-                                                  # dropout 0.2; val loss ~1.47
+    python scripts/train_gpt2.py --profile full   # GPU: 6/6/384, block 256, batch 64, dropout 0.2,
+                                                  # 2000 steps (nanoGPT: 5000); val loss ~1.47
+
+Training keeps the model with the lowest validation loss (nanoGPT saves a checkpoint only when
+validation improves): the script reports it with its step, samples from it and, with
+`--checkpoint-dir`, saves it as `best.pt` beside the last state (`checkpoint.pt`, for resuming).
+At 5000 steps the full profile overfits (validation lowest at step 1250, then rising), so its
+cosine schedule is fitted to 2000 steps: the learning rate has decayed by the time validation
+stops improving.
 
 Any setting can be overridden (`--max-steps 200 --n-layers 2`), `--tokenizer bpe` trains the
 chapter-1 byte-level BPE tokenizer instead of using characters, and `--text-file` trains on
@@ -34,7 +41,7 @@ import torch.distributed as dist
 from transformer_course.gpt2 import GPT2, GPT2Config, estimate_loss, generate, lm_loss, sample_batch
 from transformer_course.runtime import get_device, seed_everything
 from transformer_course.tokenization import GPT2_SPLIT_PATTERN, BPETokenizer, CharTokenizer
-from transformer_course.training import TrainConfig, train
+from transformer_course.training import TrainConfig, atomic_write, train
 
 # nanoGPT's config/train_shakespeare_char.py; "baby" is the CPU variant from its README.
 PROFILES = {
@@ -43,11 +50,13 @@ PROFILES = {
         min_lr=1e-4, warmup_steps=100, dropout=0.0, eval_every=250, eval_batches=200,
     ),
     "full": dict(
-        n_layers=6, n_heads=6, d_model=384, block_size=256, batch_size=64, max_steps=5000, lr=1e-3,
+        n_layers=6, n_heads=6, d_model=384, block_size=256, batch_size=64, max_steps=2000, lr=1e-3,
         min_lr=1e-4, warmup_steps=100, dropout=0.2, eval_every=250, eval_batches=200,
     ),
 }
 COMMON = dict(weight_decay=0.1, beta1=0.9, beta2=0.99, grad_clip=1.0, seed=1337, bpe_vocab=512)
+AT_LEAST_ONE = ("n_layers", "n_heads", "d_model", "block_size", "batch_size", "eval_batches")
+LOSSES = ("train_loss", "val_loss")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -60,6 +69,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--device", help="cpu, cuda, mps (default: the best available)")
     parser.add_argument("--compile", action="store_true", help="torch.compile the model")
     parser.add_argument("--no-amp", action="store_true", help="no bf16 autocast on CUDA")
+    parser.add_argument("--tie-embeddings", action="store_true", help="W_U = W_E transposed")
     parser.add_argument("--sample-tokens", type=int, default=300, help="tokens to sample at the end")
     for name, value in {**PROFILES["baby"], **COMMON}.items():
         parser.add_argument(f"--{name.replace('_', '-')}", type=type(value), default=None)
@@ -67,7 +77,53 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for name, value in {**PROFILES[args.profile], **COMMON}.items():
         if getattr(args, name) is None:
             setattr(args, name, value)
+    for name in ("max_steps", "warmup_steps", "eval_every", "sample_tokens", *AT_LEAST_ONE):
+        low = 1 if name in AT_LEAST_ONE else 0
+        if getattr(args, name) < low:
+            flag = "--" + name.replace("_", "-")
+            parser.error(f"{flag}: expected an int >= {low}, got {getattr(args, name)}")
+    if args.bpe_vocab < 256:
+        parser.error(f"--bpe-vocab: expected at least the 256 byte tokens, got {args.bpe_vocab}")
+    if args.out is not None and args.out.exists() and not args.out.is_dir():
+        parser.error(f"--out: expected a directory, got the file {args.out}")
+    try:  # the whole configuration, before any data is read or any tokenizer trained
+        model_config(args, d_vocab=1)
+        train_config(args, progress=False)
+    except ValueError as error:
+        parser.error(str(error))
     return args
+
+
+def model_config(args: argparse.Namespace, d_vocab: int) -> GPT2Config:
+    return GPT2Config(
+        d_model=args.d_model,
+        n_layers=args.n_layers,
+        n_heads=args.n_heads,
+        d_vocab=d_vocab,
+        n_ctx=args.block_size,
+        dropout=args.dropout,
+        tie_embeddings=args.tie_embeddings,
+    )
+
+
+def train_config(args: argparse.Namespace, progress: bool) -> TrainConfig:
+    return TrainConfig(
+        max_steps=args.max_steps,
+        lr=args.lr,
+        warmup_steps=args.warmup_steps,
+        lr_schedule="cosine",
+        min_lr=args.min_lr,
+        weight_decay=args.weight_decay,
+        betas=(args.beta1, args.beta2),
+        grad_clip=args.grad_clip,
+        eval_every=args.eval_every,
+        log_every=args.eval_every,
+        checkpoint_dir=args.checkpoint_dir,
+        amp=not args.no_amp,
+        seed=args.seed,
+        progress=progress,
+        best_metric="val_loss",
+    )
 
 
 def setup_distributed(device: torch.device) -> tuple[int, int, torch.device]:
@@ -104,33 +160,11 @@ def main(argv: list[str] | None = None) -> dict:
     train_data = torch.tensor(tokenizer.encode(text[:split]), dtype=torch.long)
     val_data = torch.tensor(tokenizer.encode(text[split:]), dtype=torch.long)
 
-    cfg = GPT2Config(
-        d_model=args.d_model,
-        n_layers=args.n_layers,
-        n_heads=args.n_heads,
-        d_vocab=tokenizer.vocab_size,
-        n_ctx=args.block_size,
-        dropout=args.dropout,
-    )
-    model = GPT2(cfg).to(device)
+    cfg = model_config(args, d_vocab=tokenizer.vocab_size)
+    model = GPT2(cfg).to(device).use_fast_path()
     if args.compile:
         model.compile()  # in place: parameter names and checkpoints stay the same
-    train_cfg = TrainConfig(
-        max_steps=args.max_steps,
-        lr=args.lr,
-        warmup_steps=args.warmup_steps,
-        lr_schedule="cosine",
-        min_lr=args.min_lr,
-        weight_decay=args.weight_decay,
-        betas=(args.beta1, args.beta2),
-        grad_clip=args.grad_clip,
-        eval_every=args.eval_every,
-        log_every=args.eval_every,
-        checkpoint_dir=args.checkpoint_dir,
-        amp=not args.no_amp,
-        seed=args.seed,
-        progress=rank == 0,
-    )
+    train_cfg = train_config(args, progress=rank == 0)
     per_rank = args.batch_size // world
 
     def get_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -170,23 +204,27 @@ def main(argv: list[str] | None = None) -> dict:
         "model": asdict(cfg),
         "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
         "final": history.evals[-1] if history.evals else {},
+        "best": history.best,
         "train_seconds": round(wall, 1),
         "history": history.to_dict(),
     }
     if rank == 0:
-        final = result["final"]
-        print(
-            f"final: train loss {final.get('train_loss', float('nan')):.4f}, "
-            f"val loss {final.get('val_loss', float('nan')):.4f}, {wall:.0f} s",
-            flush=True,
-        )
+        for name, record in (("last", result["final"]), ("best", result["best"])):
+            losses = ", ".join(f"{k} {record[k]:.4f}" for k in LOSSES if k in record)
+            print(f"{name}: step {record.get('step')}: {losses}", flush=True)
+        print(f"training took {wall:.0f} s", flush=True)
+        if history.best_state is not None:
+            model.load_state_dict(history.best_state)  # the last weights stay in checkpoint.pt
         if args.sample_tokens:
-            prompt = torch.tensor([tokenizer.encode("\n")], device=device)
+            # Start as a speech does, after a newline (or, with none in the text, its first token).
+            ids = tokenizer.encode("\n") if "\n" in text else train_data[:1].tolist()
+            prompt = torch.tensor([ids], device=device)
             sample = generate(model, prompt, args.sample_tokens, temperature=0.8, top_k=200)
-            print("sample:\n" + tokenizer.decode(sample[0].tolist()), flush=True)
+            best = history.best
+            source = f"the best model (step {best['step']})" if best else "the last model"
+            print(f"sample from {source}:\n" + tokenizer.decode(sample[0].tolist()), flush=True)
         if args.out is not None:
-            args.out.mkdir(parents=True, exist_ok=True)
-            (args.out / "results.json").write_text(json.dumps(result, indent=1))
+            atomic_write(args.out / "results.json", json.dumps(result, indent=1))
     if world > 1:
         dist.destroy_process_group()
     return result

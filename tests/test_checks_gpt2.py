@@ -349,7 +349,7 @@ def _sublayers(self, resid, mask, *, causal=True, pre_ln=True, keep_stream=True,
 @pytest.mark.parametrize(
     ("knob", "words"),
     [
-        ({"causal": False}, ["causal_mask"]),
+        ({"causal": False}, ["causal=True"]),
         ({"pre_ln": False}, ["this is post-LN"]),
         ({"keep_stream": False}, ["residual stream itself"]),
         ({"residual": False}, ["a residual connection is missing"]),

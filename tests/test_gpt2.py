@@ -150,6 +150,30 @@ def test_from_huggingface_rejects_non_gpt2_variants():
         GPT2.from_huggingface(reference)
 
 
+@pytest.mark.parametrize("not_hf", [torch.nn.Linear(2, 2), {"lm_head.weight": torch.ones(2)}, "x"])
+def test_from_huggingface_refuses_what_is_not_a_hugging_face_gpt2(not_hf):
+    with pytest.raises(TypeError, match="hf_model: expected a Hugging Face GPT2LMHeadModel"):
+        GPT2.from_huggingface(not_hf)
+
+
+def test_tied_embeddings_are_one_matrix_and_match_hugging_face():
+    reference = hf_model(tie_word_embeddings=True)  # the released GPT-2's layout
+    assert reference.lm_head.weight is reference.transformer.wte.weight
+    untied = GPT2.from_huggingface(reference)
+    tied = GPT2(GPT2Config(**{**vars(untied.cfg), "tie_embeddings": True})).eval()
+    state = untied.state_dict()
+    state["unembed.W_E"] = state.pop("unembed.W_U").T
+    tied.load_state_dict(state)
+    assert tied.unembed.W_E is tied.embed.W_E
+    assert tied.num_params() == untied.num_params() - 61 * 32  # W_U is gone
+    tokens = torch.randint(0, 61, (2, 16), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        torch.testing.assert_close(tied(tokens), reference(tokens).logits, atol=1e-4, rtol=0)
+    # Both ends train the one matrix: its gradient is the embedding's plus the unembedding's.
+    lm_loss(tied(tokens)[:, :-1], tokens[:, 1:]).backward()
+    assert tied.embed.W_E.grad[~torch.isin(torch.arange(61), tokens[:, :-1])].abs().sum() > 0
+
+
 def test_lm_loss_matches_hf_loss():
     reference = hf_model(torch.float64)
     ours = GPT2.from_huggingface(reference).eval()
@@ -216,6 +240,7 @@ def test_activations_match_transformer_lens_cache_by_name():
         (torch.tensor([[1, -1, 3]]), ValueError, "d_vocab=61"),
         (torch.tensor([[1.0, 2.0]]), TypeError, "integer"),
         (torch.tensor([[True, False]]), TypeError, "integer"),
+        (torch.tensor([[1, 2]], dtype=torch.uint8), TypeError, "torch.uint8"),  # indexes as a mask
         (torch.tensor([1, 2, 3]), ValueError, r"\(batch, pos\)"),
         ([[1, 2, 3]], TypeError, "torch.Tensor"),
     ],
@@ -249,6 +274,30 @@ def test_generate_temperature_zero_is_greedy_and_crops_context():
     assert out.shape == (3, 25) and out.dtype == prompt.dtype
     assert torch.equal(out[:, :5], prompt)
     assert torch.equal(out, greedy_loop(model, prompt, 20))
+
+
+def test_generate_crops_a_prompt_longer_than_n_ctx():
+    model = tiny_gpt2()
+    prompt = torch.randint(0, 61, (2, 40), generator=torch.Generator().manual_seed(9))
+    out = generate(model, prompt, 3, temperature=0)
+    assert torch.equal(out[:, :40], prompt)
+    assert torch.equal(out[:, 40:], greedy_loop(model, prompt[:, -16:], 3)[:, 16:])
+
+
+def test_generate_with_a_tiny_temperature_is_greedy():
+    model = tiny_gpt2()
+    prompt = torch.randint(0, 61, (3, 4), generator=torch.Generator().manual_seed(10))
+    out = generate(model, prompt, 6, temperature=1e-40, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(out, greedy_loop(model, prompt, 6))
+
+
+@pytest.mark.parametrize("temperature", [0, 1.0])
+def test_generate_refuses_nan_logits_instead_of_emitting_token_0(temperature):
+    model = tiny_gpt2()
+    with torch.no_grad():
+        model.unembed.b_U[5] = float("nan")
+    with pytest.raises(FloatingPointError, match="logits after 2 tokens are not finite"):
+        generate(model, torch.tensor([[1, 2]]), 3, temperature=temperature)
 
 
 def test_generate_top_k_restricts_samples_to_the_k_most_likely():

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import math
 import os
 import signal
@@ -17,13 +18,17 @@ import torch
 from torch import nn
 
 from transformer_course.training import (
+    BEST_NAME,
     CHECKPOINT_NAME,
     TrainConfig,
+    atomic_write,
     cosine_lr,
     inverse_sqrt_lr,
     load_checkpoint,
     lr_at,
     make_optimizer,
+    read_checkpoint,
+    save_checkpoint,
     train,
 )
 
@@ -76,13 +81,33 @@ def test_cosine_schedule_endpoints():
     assert lr_at(config(lr_schedule=lambda s: 0.5 * s), 4) == 2.0
 
 
-def test_bad_config_is_refused():
-    with pytest.raises(ValueError, match="lr_schedule"):
-        TrainConfig(max_steps=1, lr=1e-3, lr_schedule="linear")
-    with pytest.raises(ValueError, match="lr"):
-        TrainConfig(max_steps=1, lr=0.0)
-    with pytest.raises(ValueError, match="checkpoint_dir"):
-        TrainConfig(max_steps=1, lr=1e-3, checkpoint_every=5)
+@pytest.mark.parametrize(
+    ("settings", "message"),
+    [
+        (dict(lr_schedule="linear"), "lr_schedule"),
+        (dict(lr=0.0), "lr: expected a finite learning rate > 0, got 0.0"),
+        (dict(lr=math.inf), "lr: .* got inf"),
+        (dict(lr=math.nan), "lr: .* got nan"),
+        (dict(grad_clip=-1.0), "grad_clip: .* got -1.0"),
+        (dict(max_steps=-1), "max_steps: expected an int >= 0, got -1"),
+        (dict(max_steps=2.5), "max_steps"),
+        (dict(weight_decay=-0.1), "weight_decay"),
+        (dict(betas=(0.9, 1.0)), "betas"),
+        (dict(checkpoint_every=5), "checkpoint_dir: checkpoint_every is set"),
+        (dict(best_metric=""), "best_metric"),
+    ],
+)
+def test_bad_config_is_refused(settings, message):
+    with pytest.raises(ValueError, match=message):
+        TrainConfig(**{"max_steps": 1, "lr": 1e-3, **settings})
+
+
+def test_a_checkpoint_dir_that_is_a_file_is_refused_before_training(tmp_path):
+    not_a_folder = tmp_path / "runs"
+    not_a_folder.write_text("x")
+    message = f"checkpoint_dir: expected a directory, got the file {not_a_folder}"
+    with pytest.raises(ValueError, match=message):
+        config(checkpoint_dir=not_a_folder)
 
 
 def test_weight_decay_only_on_matrices():
@@ -196,6 +221,174 @@ def test_progress_prints_plain_lines_in_notebooks(capsys, monkeypatch):
     train(Tiny(), config(max_steps=6, log_every=3, progress=True), get_batch, mse)
     lines = capsys.readouterr().out.splitlines()
     assert [line.split("|")[0].strip() for line in lines] == ["step      3", "step      6"]
+
+
+class FakeStderr:
+    def __init__(self, tty: bool):
+        self.tty, self.text = tty, ""
+
+    def isatty(self) -> bool:
+        return self.tty
+
+    def write(self, text: str) -> int:
+        self.text += text
+        return len(text)
+
+    def flush(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize("tty", [False, True])
+def test_a_log_file_gets_plain_lines_and_a_terminal_gets_a_bar(capsys, monkeypatch, tty):
+    stderr = FakeStderr(tty)
+    monkeypatch.setattr(sys, "stderr", stderr)
+    monkeypatch.delitem(sys.modules, "ipykernel", raising=False)
+    train(Tiny(), config(max_steps=40, log_every=20, progress=True), get_batch, mse)
+    out = capsys.readouterr().out
+    if tty:
+        assert "40/40" in stderr.text and "step     20" in out  # tqdm's bar, log lines above it
+    else:
+        # One line per log interval, nothing on stderr: no tqdm line per update flooding a log file.
+        assert stderr.text == ""
+        steps = [line.split("|")[0].strip() for line in out.splitlines()]
+        assert steps == ["step     20", "step     40"]
+
+
+def evaluate_by_schedule(values):
+    """An `evaluate` returning the given validation losses in turn, and the weights it saw."""
+    seen = []
+
+    def evaluate(model):
+        seen.append({k: v.clone() for k, v in model.state_dict().items()})
+        return {"valid_loss": values[len(seen) - 1]}
+
+    return evaluate, seen
+
+
+def test_the_best_evaluation_is_kept_and_saved_only_when_it_improves(tmp_path, monkeypatch):
+    evaluate, seen = evaluate_by_schedule([3.0, 2.0, 2.5, 2.0, 2.2])  # a tie is no improvement
+    writes = []
+
+    def recording_save(path, *args):
+        writes.append(Path(path).name)
+        save_checkpoint(path, *args)
+
+    monkeypatch.setitem(train.__globals__, "save_checkpoint", recording_save)
+    model = Tiny()
+    cfg = config(max_steps=10, eval_every=2, checkpoint_dir=tmp_path, best_metric="valid_loss")
+    history = train(model, cfg, get_batch, mse, evaluate=evaluate)
+    assert history.best == {"step": 4, "valid_loss": 2.0}
+    assert writes == [BEST_NAME, BEST_NAME, CHECKPOINT_NAME]  # steps 2 and 4 improve; then the last
+    for name, value in seen[1].items():  # the weights evaluated at step 4
+        assert torch.equal(history.best_state[name], value)
+        assert torch.equal(read_checkpoint(tmp_path / BEST_NAME)["model"][name], value)
+    assert read_checkpoint(tmp_path / BEST_NAME)["step"] == 4
+    # The model itself, and checkpoint.pt, stay at the last step.
+    assert read_checkpoint(tmp_path / CHECKPOINT_NAME)["step"] == 10
+    for name, value in model.state_dict().items():
+        assert torch.equal(value, seen[-1][name])
+    assert history.to_dict()["best"] == {"step": 4, "valid_loss": 2.0}
+    assert "best_state" not in history.to_dict()
+
+
+def test_the_best_evaluation_survives_resumption(tmp_path):
+    def run(max_steps, losses):
+        evaluate, seen = evaluate_by_schedule(losses)
+        cfg = config(max_steps=max_steps, eval_every=2, checkpoint_every=2, checkpoint_dir=tmp_path,
+                     best_metric="valid_loss")
+        return train(Tiny(), cfg, get_batch, mse, evaluate=evaluate), seen
+
+    _, seen = run(4, [3.0, 1.0])  # best at step 4
+    resumed, _ = run(8, [2.0, 1.5])  # resumed at step 4; neither step 6 nor 8 beats it
+    assert resumed.best == {"step": 4, "valid_loss": 1.0}
+    for name, value in seen[1].items():
+        assert torch.equal(resumed.best_state[name], value)
+
+
+def test_best_metric_must_be_returned_by_evaluate():
+    with pytest.raises(ValueError, match="best_metric: 'val_loss' is not among evaluate's metrics"):
+        train(Tiny(), config(max_steps=2, eval_every=1, best_metric="val_loss"), get_batch, mse,
+              evaluate=lambda m: {"valid_loss": 1.0})
+    with pytest.raises(ValueError, match="evaluate"):
+        train(Tiny(), config(max_steps=2, best_metric="valid_loss"), get_batch, mse)
+
+
+def test_non_finite_gradients_stop_training_and_the_last_good_checkpoint_survives(tmp_path):
+    torch.manual_seed(4)
+    model = Tiny()
+
+    def loss_fn(model, batch):
+        x, y, poisoned = batch
+        loss = mse(model, (x, y))
+        if poisoned:  # a finite loss with NaN gradients: d sqrt(u) / du is infinite at u = 0
+            loss = loss + torch.sqrt(0 * model.net[0].weight.sum())
+        return loss
+
+    cfg = config(max_steps=20, checkpoint_every=5, checkpoint_dir=tmp_path, log_every=10)
+    path = tmp_path / CHECKPOINT_NAME
+    message = r"step 6: loss [0-9.]+, gradient norm nan: not finite.*\(step 5\) is intact"
+    with pytest.raises(FloatingPointError, match=message):
+        train(model, cfg, lambda step: (*get_batch(step), step == 6), loss_fn)
+    saved = read_checkpoint(path)
+    assert saved["step"] == 5 and all(t.isfinite().all() for t in saved["model"].values())
+    assert all(p.isfinite().all() for p in model.parameters())  # the NaN update was never applied
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        (b"", "empty, truncated or not a checkpoint \\(0 bytes\\)"),
+        (b"not a zip file at all", "empty, truncated or not a checkpoint"),
+    ],
+)
+def test_an_unreadable_checkpoint_names_the_file(tmp_path, content, message):
+    path = tmp_path / CHECKPOINT_NAME
+    path.write_bytes(content)
+    with pytest.raises(ValueError, match=f"checkpoint {path}: cannot be read.*{message}"):
+        train(Tiny(), config(max_steps=2, checkpoint_dir=tmp_path), get_batch, mse)
+
+
+def test_a_truncated_or_incomplete_checkpoint_names_the_file_and_field(tmp_path):
+    train(Tiny(), config(max_steps=2, checkpoint_dir=tmp_path), get_batch, mse)
+    path = tmp_path / CHECKPOINT_NAME
+    whole = path.read_bytes()
+    path.write_bytes(whole[: len(whole) // 2])
+    with pytest.raises(ValueError, match=f"checkpoint {path}: cannot be read"):
+        load_checkpoint(path, Tiny())
+    checkpoint = torch.load(io.BytesIO(whole), weights_only=True)
+    del checkpoint["architecture"]
+    torch.save(checkpoint, path)
+    with pytest.raises(ValueError, match=f"checkpoint {path}: the field 'architecture' is missing"):
+        load_checkpoint(path, Tiny())
+    torch.save({**checkpoint, "architecture": {}, "step": -2}, path)
+    with pytest.raises(ValueError, match="field 'step' must be an int >= 0, got -2"):
+        load_checkpoint(path, Tiny())
+    torch.save([1, 2], path)
+    with pytest.raises(ValueError, match=f"checkpoint {path}: expected a dict"):
+        load_checkpoint(path, Tiny())
+
+
+def test_a_pickled_object_is_refused_without_torchs_advice(tmp_path):
+    path = tmp_path / CHECKPOINT_NAME
+    torch.save({"model": Tiny()}, path)  # a whole module: needs unpickling arbitrary classes
+    with pytest.raises(ValueError, match="not written by this course; refusing") as error:
+        read_checkpoint(path)
+    assert "weights_only=False" not in str(error.value)
+
+
+def test_atomic_write_keeps_the_old_file_on_failure(tmp_path):
+    path = tmp_path / "results.json"
+    atomic_write(path, "old")
+
+    def fail(f):
+        f.write(b"half")
+        raise OSError("disk full")
+
+    with pytest.raises(OSError, match="disk full"):
+        atomic_write(path, fail)
+    assert path.read_text() == "old" and os.listdir(tmp_path) == ["results.json"]
+    atomic_write(path, b"new")
+    assert path.read_text() == "new"
 
 
 def test_runs_under_distributed_data_parallel(tmp_path):

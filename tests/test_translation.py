@@ -7,8 +7,19 @@ from dataclasses import replace
 import pytest
 import sacrebleu
 import torch
+from torch import nn
 
-from transformer_course.encoder_decoder import BOS, EOS, PAD, UNK
+from transformer_course import translation
+from transformer_course.encoder_decoder import (
+    BOS,
+    EOS,
+    PAD,
+    UNK,
+    EncoderDecoderTransformer,
+    Seq2SeqConfig,
+    seq2seq_loss,
+)
+from transformer_course.training import History, save_checkpoint
 from transformer_course.translation import (
     N_TEST,
     N_VALID,
@@ -38,6 +49,8 @@ def test_split_keeps_every_source_sentence_in_one_split():
     assert split_pairs(TOY, n_valid=2, n_test=3, seed=0) == splits  # fixed seed, fixed split
     with pytest.raises(ValueError, match="n_valid \\+ n_test"):
         split_pairs(TOY, n_valid=4, n_test=4)
+    with pytest.raises(ValueError, match="n_valid: expected an int >= 0, got -3"):
+        split_pairs(TOY, n_valid=-3)  # would move test sentences into training
 
 
 def test_real_split_sizes_and_no_test_sentence_in_training():
@@ -103,5 +116,57 @@ def test_is_trained_reads_the_cached_step(tmp_path, monkeypatch):
     assert cache_dir(setup).is_relative_to(tmp_path) and not is_trained(setup)
     cache_dir(setup).mkdir(parents=True)
     for step, done in ((4, False), (10, True)):
-        torch.save({"step": step}, cache_dir(setup) / "checkpoint.pt")
+        save_checkpoint(cache_dir(setup) / "checkpoint.pt", nn.Linear(2, 1), None, step, History())
         assert is_trained(setup) is done
+    (cache_dir(setup) / "checkpoint.pt").write_bytes(b"")
+    with pytest.raises(ValueError, match="checkpoint.pt: cannot be read"):
+        is_trained(setup)
+
+
+def test_buckets_pad_to_a_few_lengths_without_changing_the_loss():
+    tokenizer = train_tokenizer(TOY * 5, 300)
+    plain = LengthBatches(tokenizer, TOY, 3, seed=1)
+    bucketed = LengthBatches(tokenizer, TOY, 3, seed=1, buckets=(4, 8, 16))
+    pad = tokenizer.special_tokens[PAD]
+    torch.manual_seed(0)
+    vocab = tokenizer.vocab_size
+    cfg = Seq2SeqConfig(src_vocab=vocab, tgt_vocab=vocab, d_model=16, n_heads=2, n_layers=1,
+                        d_ff=32, dropout=0.0, max_len=32, pad_id=pad)
+    model = EncoderDecoderTransformer(cfg).eval()
+    for step in range(len(plain)):
+        short, long = plain(step), bucketed(step)
+        for a, b in zip(short, long):
+            assert b.shape[1] in (4, 8, 16) and b.shape[1] >= a.shape[1]
+            assert torch.equal(b[:, : a.shape[1]], a) and (b[:, a.shape[1] :] == pad).all()
+        with torch.no_grad():
+            expected = seq2seq_loss(model, short, pad_id=pad)
+            actual = seq2seq_loss(model, long, pad_id=pad)
+            torch.testing.assert_close(actual, expected, atol=1e-6, rtol=0)
+    assert bucketed.distinct_shapes() <= plain.distinct_shapes()
+    with pytest.raises(ValueError, match=r"buckets: expected increasing positive ints, got \(8, 4"):
+        LengthBatches(tokenizer, TOY, 3, buckets=(8, 4))
+    with pytest.raises(ValueError, match="buckets: the largest, 2, is shorter than a batch's"):
+        LengthBatches(tokenizer, TOY, 3, buckets=(1, 2))(0)
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--beam-size", "0"], "--beam-size: expected an int >= 1, got 0"),
+        (["--max-steps", "-1"], "--max-steps: expected an int >= 0, got -1"),
+    ],
+)
+def test_cli_refuses_bad_settings_before_any_work(flags, message, monkeypatch, capsys):
+    monkeypatch.setattr(translation, "run_translation", lambda *a, **k: pytest.fail("it trained"))
+    with pytest.raises(SystemExit) as exit_:
+        translation.main(["--profile", "quick", *flags])
+    assert exit_.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_a_cache_folder_that_is_a_file_is_refused_before_any_work(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("TRANSFORMER_COURSE_RUNS", str(tmp_path))
+    cache_dir(PROFILES["quick"]).parent.mkdir(parents=True)
+    cache_dir(PROFILES["quick"]).write_text("not a folder")
+    monkeypatch.setattr(translation, "load_splits", lambda *a: pytest.fail("work started"))
+    with pytest.raises(ValueError, match="checkpoint_dir: expected a directory"):
+        translation.run_translation(PROFILES["quick"])

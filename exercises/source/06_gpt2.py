@@ -44,7 +44,6 @@ from transformer_course.checks.gpt2 import (
 )
 from transformer_course.gpt2 import GPT2Config, check_tokens
 from transformer_course.layernorm import LayerNorm, check_last_dim
-from transformer_course.masking import causal_mask, combine_masks
 from transformer_course.runtime import describe, seed_everything
 
 seed_everything(0)
@@ -110,8 +109,9 @@ check_mlp(MLP)
 # A block reads the residual stream and adds two things to it: what causal self-attention
 # finds, then what the MLP computes. GPT-2 normalises each sublayer's **input** (pre-LN) and
 # leaves the stream itself alone; the original transformer normalised **after** each sum
-# (post-LN). `self.norm` says which. Attention is always causal here: combine
-# `causal_mask(pos, device=...)` with the optional `mask` you are given (`combine_masks`).
+# (post-LN). `self.norm` says which. Attention is always causal here: call it with
+# `causal=True` (on the fast path PyTorch's fused kernel then hides the future without building
+# a mask) and pass on the optional `mask` you are given.
 # `self.dropout` goes on each sublayer's output before it joins the stream. Pass the stream and
 # the two sublayer outputs through the five hook points, in the order their comments in
 # `__init__` give.
@@ -120,9 +120,9 @@ check_mlp(MLP)
 # and **your** `MLP` from above.
 
 # %% [exercise] transformer_course.blocks:TransformerBlock blank=forward difficulty=3 importance=5 minutes=25
-# hint: Pre-LN, one sublayer: `attn_out = dropout(attn(ln1(resid), mask))`, then
+# hint: Pre-LN, one sublayer: `attn_out = dropout(attn(ln1(resid), mask=mask, causal=True))`, then
 #   `resid = resid + attn_out`. The MLP sublayer is the same with `ln2` and `mlp`.
-# hint: Post-LN normalises the sum instead: `resid = ln1(resid + dropout(attn(resid, mask)))`.
+# hint: Post-LN normalises the sum instead: `resid = ln1(resid + dropout(attn(resid, ...)))`.
 # hint: Hooks in order: `hook_resid_pre` on the input, `hook_attn_out` on what attention adds,
 #   `hook_resid_mid` on the stream between the sublayers, `hook_mlp_out`, `hook_resid_post`.
 

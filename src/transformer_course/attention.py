@@ -30,7 +30,7 @@ from torch import Tensor, nn
 from transformer_lens.hook_points import HookPoint
 from transformer_lens.HookedRootModule import HookedRootModule
 
-from transformer_course.masking import check_mask, fill_masked, masked_softmax, upcast
+from transformer_course.masking import causal_mask, check_mask, fill_masked, masked_softmax, upcast
 
 __all__ = [
     "attention_scores",
@@ -207,11 +207,15 @@ class MultiHeadAttention(HookedRootModule):
         x: Float[Tensor, "batch q_pos d_model"],
         context: Float[Tensor, "batch k_pos d_model"] | None = None,
         mask: Bool[Tensor, "... q_pos k_pos"] | None = None,
+        *,
+        causal: bool = False,
     ) -> Float[Tensor, "batch q_pos d_model"]:
         """Attend from every position of `x` to every allowed position of `context` (default `x`).
 
         `mask` is boolean, True = may attend, broadcastable to (batch, head, q_pos, k_pos):
-        e.g. `causal_mask(q_pos)` or `padding_mask(tokens, pad_id)`.
+        e.g. `causal_mask(q_pos)` or `padding_mask(tokens, pad_id)`. `causal=True` also hides
+        the keys after each query, as `causal_mask` does; on the fast path with no other mask,
+        SDPA does that itself (`is_causal=True`, FlashAttention on a GPU) with no mask built.
         """
         self._check_input("x", x)
         if context is None:
@@ -229,11 +233,15 @@ class MultiHeadAttention(HookedRootModule):
         # Heads become a batch dimension: (batch, head, pos, d_head).
         q, k, v = (einops.rearrange(t, "batch pos head d_head -> batch head pos d_head") for t in (q, k, v))
         validate_qkv(q, k, v, mask)
+        if causal and (mask is not None or not self.use_fast_path or q.shape[-2] != k.shape[-2]):
+            allowed = causal_mask(q.shape[-2], k.shape[-2], device=q.device)
+            mask, causal = (allowed if mask is None else allowed & mask), False
         v = zero_unseen(v, mask)
 
         if self.use_fast_path:
             # The fused kernel adds -inf to masked scores, and NaN + -inf is NaN: zero k as well.
-            z = F.scaled_dot_product_attention(q, zero_unseen(k, mask), v, attn_mask=mask)
+            k = zero_unseen(k, mask)
+            z = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal)
             if mask is not None:  # rows with no allowed key are zero, whichever kernel ran
                 z = z.masked_fill(~mask.any(dim=-1, keepdim=True), 0.0)
         else:

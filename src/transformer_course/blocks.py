@@ -20,7 +20,6 @@ from transformer_lens.HookedRootModule import HookedRootModule
 
 from transformer_course.attention import MultiHeadAttention
 from transformer_course.layernorm import LayerNorm, check_last_dim
-from transformer_course.masking import causal_mask, combine_masks
 
 __all__ = ["ACTIVATIONS", "MLP", "TransformerBlock"]
 
@@ -119,18 +118,16 @@ class TransformerBlock(HookedRootModule):
             raise ValueError(f"resid: expected shape (batch, pos, d_model={self.d_model}), got {got}")
         check_last_dim(resid, self.d_model, name="resid")
         if resid.shape[1] == 0:
-            raise ValueError(
-                f"resid: expected at least one position, got shape {tuple(resid.shape)}"
-            )
-        mask = combine_masks(causal_mask(resid.shape[1], device=resid.device), mask)
+            raise ValueError(f"resid: expected at least one position, got shape {tuple(resid.shape)}")
 
         resid = self.hook_resid_pre(resid)
         if self.norm == "pre":
-            attn_out = self.hook_attn_out(self.dropout(self.attn(self.ln1(resid), mask=mask)))
+            attn_out = self.attn(self.ln1(resid), mask=mask, causal=True)
+            attn_out = self.hook_attn_out(self.dropout(attn_out))
             resid = self.hook_resid_mid(resid + attn_out)
             mlp_out = self.hook_mlp_out(self.dropout(self.mlp(self.ln2(resid))))
             return self.hook_resid_post(resid + mlp_out)
-        attn_out = self.hook_attn_out(self.dropout(self.attn(resid, mask=mask)))
+        attn_out = self.hook_attn_out(self.dropout(self.attn(resid, mask=mask, causal=True)))
         resid = self.hook_resid_mid(self.ln1(resid + attn_out))
         mlp_out = self.hook_mlp_out(self.dropout(self.mlp(resid)))
         return self.hook_resid_post(self.ln2(resid + mlp_out))

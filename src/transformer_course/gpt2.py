@@ -31,6 +31,7 @@ __all__ = [
     "Embed",
     "PosEmbed",
     "Unembed",
+    "TiedUnembed",
     "GPT2",
     "check_tokens",
     "generate",
@@ -47,6 +48,8 @@ class GPT2Config:
     Field names follow TransformerLens's `HookedTransformerConfig`. `d_head` defaults to
     `d_model // n_heads` and `d_mlp` to `4 * d_model`. `dropout` applies to the embeddings and
     inside every block while training (0 = none, as in the released GPT-2 evaluation code).
+    `tie_embeddings=True` makes the unembedding the transpose of the token embedding, as in the
+    released GPT-2 (off by default, so `W_U` is its own parameter, as in TransformerLens).
     """
 
     d_model: int = 768
@@ -60,6 +63,7 @@ class GPT2Config:
     init_range: float = 0.02
     act_fn: str = "gelu_new"
     dropout: float = 0.0
+    tie_embeddings: bool = False
 
     def __post_init__(self) -> None:
         for name in ("d_model", "n_layers", "n_heads", "d_vocab", "n_ctx"):
@@ -78,6 +82,8 @@ class GPT2Config:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}: expected a positive int, got {value!r}")
+        if not isinstance(self.tie_embeddings, bool):
+            raise ValueError(f"tie_embeddings: expected True or False, got {self.tie_embeddings!r}")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"dropout: expected a probability in [0, 1), got {self.dropout}")
         if not self.layer_norm_eps > 0:
@@ -127,21 +133,42 @@ class Unembed(nn.Module):
         return x @ self.W_U + self.b_U
 
 
-def check_tokens(tokens: object, cfg: GPT2Config) -> None:
-    """Raise a clear error unless `tokens` is an integer `(batch, pos)` tensor the model can read."""
+class TiedUnembed(nn.Module):
+    """The unembedding tied to the token embedding: `x @ W_E.T + b_U` (Press & Wolf, 2017).
+
+    One matrix maps ids to vectors and vectors back to logits, saving `d_vocab * d_model`
+    parameters; `W_E` is the embedding's own parameter, registered here under a second name.
+    """
+
+    def __init__(self, embed: Embed):
+        super().__init__()
+        self.W_E = embed.W_E
+        self.b_U = nn.Parameter(torch.zeros(embed.cfg.d_vocab))
+
+    def forward(self, x: Float[Tensor, "batch pos d_model"]) -> Float[Tensor, "batch pos d_vocab"]:
+        return x @ self.W_E.T + self.b_U
+
+
+TOKEN_DTYPES = (torch.int64, torch.int32)
+
+
+def check_tokens(tokens: object, cfg: GPT2Config, *, any_length: bool = False) -> None:
+    """Raise a clear error unless `tokens` is an integer `(batch, pos)` tensor the model can read
+    (`any_length=True` allows more than `n_ctx` positions, for a caller that crops them)."""
     if not isinstance(tokens, Tensor):
         raise TypeError(f"tokens: expected an integer torch.Tensor of shape (batch, pos), got {type(tokens).__name__}")
-    if tokens.dtype == torch.bool or tokens.is_floating_point() or tokens.is_complex():
+    if tokens.dtype not in TOKEN_DTYPES:
+        # uint8 and bool tensors would index W_E as a mask, not as ids.
         raise TypeError(f"tokens: expected an integer dtype (torch.long), got {tokens.dtype}")
     if tokens.ndim != 2:
         raise ValueError(f"tokens: expected shape (batch, pos), got {tuple(tokens.shape)}")
-    if tokens.shape[1] > cfg.n_ctx:
+    if tokens.shape[1] > cfg.n_ctx and not any_length:
         raise ValueError(
             f"tokens: expected at most n_ctx={cfg.n_ctx} positions, got {tokens.shape[1]} "
             f"(shape {tuple(tokens.shape)}); crop the context to the last n_ctx tokens"
         )
     if tokens.numel() and not torch.compiler.is_compiling():
-        low, high = tokens.min().item(), tokens.max().item()
+        low, high = torch.stack(torch.aminmax(tokens)).tolist()  # one device synchronisation
         if low < 0 or high >= cfg.d_vocab:
             raise ValueError(f"tokens: expected ids in [0, d_vocab={cfg.d_vocab}), got ids from {low} to {high}")
 
@@ -175,7 +202,7 @@ class GPT2(HookedRootModule):
             for _ in range(cfg.n_layers)
         )
         self.ln_final = LayerNorm(cfg.d_model, eps=cfg.layer_norm_eps)
-        self.unembed = Unembed(cfg)
+        self.unembed = TiedUnembed(self.embed) if cfg.tie_embeddings else Unembed(cfg)
         self._init_weights()
         self.register_load_state_dict_pre_hook(self._drop_transformer_lens_buffers)
         self.setup()
@@ -223,8 +250,8 @@ class GPT2(HookedRootModule):
         return self
 
     def num_params(self, *, non_embedding: bool = False) -> int:
-        """Number of parameters; `non_embedding=True` leaves out `W_E` and `W_pos` (the usual count
-        for scaling laws and FLOP estimates)."""
+        """Number of parameters (a tied `W_E` counts once); `non_embedding=True` leaves out `W_E`
+        and `W_pos` (the usual count for scaling laws)."""
         total = sum(p.numel() for p in self.parameters())
         if non_embedding:
             total -= self.embed.W_E.numel() + self.pos_embed.W_pos.numel()
@@ -239,7 +266,12 @@ class GPT2(HookedRootModule):
         and V in one `c_attn` matrix of width `3 * d_model`, which we split and reshape per head.
         The language-model head is tied to the token embedding and has no bias, so `b_U` is zero.
         """
-        hf_cfg = hf_model.config
+        hf_cfg = getattr(hf_model, "config", None)
+        if not isinstance(hf_model, nn.Module) or getattr(hf_cfg, "model_type", None) != "gpt2":
+            raise TypeError(
+                "hf_model: expected a Hugging Face GPT2LMHeadModel (config.model_type 'gpt2'), got "
+                f"{type(hf_model).__name__} with model_type {getattr(hf_cfg, 'model_type', None)!r}"
+            )
         for flag in ("scale_attn_by_inverse_layer_idx", "reorder_and_upcast_attn", "add_cross_attention"):
             if getattr(hf_cfg, flag, False):
                 raise ValueError(f"hf_model: config.{flag}=True is not part of GPT-2; expected False")
@@ -257,6 +289,10 @@ class GPT2(HookedRootModule):
             act_fn=hf_cfg.activation_function,
         )
         hf = hf_model.state_dict()
+        last_layer = f"transformer.h.{cfg.n_layers - 1}.attn.c_attn.weight"
+        for key in ("transformer.wte.weight", "lm_head.weight", last_layer):
+            if key not in hf:
+                raise TypeError(f"hf_model: expected a GPT2LMHeadModel, but {key!r} is missing")
         n_heads = cfg.n_heads
         state = {
             "embed.W_E": hf["transformer.wte.weight"],
@@ -305,9 +341,10 @@ def generate(
 ) -> Int[Tensor, "batch pos_plus_new"]:
     """Extend each row of `tokens` by `max_new_tokens` sampled tokens.
 
-    Each step feeds the last `n_ctx` tokens, divides the last position's logits by
-    `temperature` (0 means greedy: always the most likely token), keeps the `top_k` largest
-    logits if given, and samples from the softmax. The model runs in eval mode (no dropout).
+    Each step feeds the last `n_ctx` tokens (a longer prompt is cropped), divides the last
+    position's logits by `temperature` (0 means greedy: always the most likely token; a tiny
+    temperature tends to greedy), keeps the `top_k` largest logits if given, and samples from the
+    softmax. The model runs in eval mode (no dropout). Logits that are not finite are an error.
     """
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
         raise ValueError(f"max_new_tokens: expected a non-negative int, got {max_new_tokens!r}")
@@ -315,7 +352,7 @@ def generate(
         raise ValueError(f"temperature: expected a finite number >= 0, got {temperature!r}")
     if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1):
         raise ValueError(f"top_k: expected None or a positive int, got {top_k!r}")
-    check_tokens(tokens, model.cfg)
+    check_tokens(tokens, model.cfg, any_length=True)
     if tokens.shape[1] == 0:
         raise ValueError(f"tokens: expected at least one token per row to continue from, got shape {tuple(tokens.shape)}")
     was_training = model.training
@@ -324,10 +361,16 @@ def generate(
         for _ in range(max_new_tokens):
             context = tokens[:, -model.cfg.n_ctx :]
             logits: Float[Tensor, "batch d_vocab"] = model(context)[:, -1, :].float()
+            if not logits.isfinite().all():
+                raise FloatingPointError(
+                    f"model: its logits after {tokens.shape[1]} tokens are not finite; "
+                    "check the weights and the input"
+                )
             if temperature == 0:
                 next_token = logits.argmax(dim=-1, keepdim=True)
             else:
-                logits = logits / temperature
+                # Shifting the maximum to 0 first keeps a tiny temperature from overflowing to inf.
+                logits = (logits - logits.amax(dim=-1, keepdim=True)) / temperature
                 if top_k is not None and top_k < logits.shape[-1]:
                     kth_largest = logits.topk(top_k, dim=-1).values[:, -1:]
                     logits = logits.masked_fill(logits < kth_largest, float("-inf"))
@@ -380,9 +423,9 @@ def estimate_loss(
     was_training = model.training
     model.eval()
     device = next(model.parameters()).device
-    total = 0.0
+    total = torch.zeros((), device=device)
     for _ in range(n_batches):
         x, y = sample_batch(data, batch_size, block_size, generator=generator)
-        total += lm_loss(model(x.to(device)), y.to(device)).item()
+        total += lm_loss(model(x.to(device)), y.to(device))
     model.train(was_training)
-    return total / n_batches
+    return total.item() / n_batches  # one host synchronisation, not one per batch

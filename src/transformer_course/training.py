@@ -7,7 +7,13 @@ passes `get_batch(step)` and `loss_fn(model, batch)`.
 Checkpoints hold the model, the optimizer, the step, every random number generator's state and
 the history, so a run killed at any point and started again with the same arguments continues
 exactly where it stopped (bit-identically on the CPU). Files are written atomically: a crash
-while saving leaves the previous checkpoint intact.
+while saving leaves the previous checkpoint intact. A step whose gradients are not finite is
+never taken, and training stops with an error naming it before anything else is saved. With
+`best_metric` set, the weights with the lowest value of that evaluation metric are kept too
+(`best.pt`, written only when the metric improves, as nanoGPT does).
+
+On a GPU the loop does not wait for the device within a step: losses and gradient norms stay
+on the device until the next log line, and the fused AdamW skips a non-finite step by itself.
 
 Under `torchrun` (when `torch.distributed` is initialised) the model is wrapped in
 `DistributedDataParallel`; every rank calls `get_batch(step)`, which must return that rank's
@@ -18,6 +24,7 @@ from __future__ import annotations
 
 import math
 import os
+import pickle
 import random
 import sys
 import tempfile
@@ -34,6 +41,8 @@ from torch import Tensor, nn
 
 Batch = Any
 CHECKPOINT_NAME = "checkpoint.pt"
+BEST_NAME = "best.pt"
+FIELDS = ("model", "optimizer", "step", "rng", "history", "architecture")  # of a checkpoint
 SCHEDULES = ("constant", "cosine", "inverse_sqrt")
 
 
@@ -44,7 +53,9 @@ class TrainConfig:
     `lr` is the peak learning rate, reached at the end of `warmup_steps`. `lr_schedule` is one of
     `"constant"`, `"cosine"`, `"inverse_sqrt"` or a function `step -> learning rate`.
     `eval_every=0` and `checkpoint_every=0` mean never (a checkpoint is still written at the end
-    when `checkpoint_dir` is set). `amp` turns on bfloat16 autocast, on CUDA only.
+    when `checkpoint_dir` is set). `amp` turns on bfloat16 autocast, on CUDA only. `best_metric`
+    names a metric returned by `evaluate` (lower is better): the weights where it was lowest are
+    kept in `History.best_state` and, with `checkpoint_dir`, in `best.pt`.
     """
 
     max_steps: int
@@ -62,21 +73,38 @@ class TrainConfig:
     amp: bool = True
     seed: int = 0
     progress: bool = True
+    best_metric: str | None = None
 
     def __post_init__(self) -> None:
-        if self.max_steps < 0:
-            raise ValueError(f"max_steps: expected a non-negative number of steps, got {self.max_steps}")
-        if not self.lr > 0:
-            raise ValueError(f"lr: expected a positive learning rate, got {self.lr}")
-        if self.warmup_steps < 0:
-            raise ValueError(f"warmup_steps: expected >= 0, got {self.warmup_steps}")
+        for name in ("max_steps", "warmup_steps", "eval_every", "log_every", "checkpoint_every"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"{name}: expected an int >= 0, got {value!r}")
+        if not _is_number(self.lr) or not 0 < self.lr < math.inf:
+            raise ValueError(f"lr: expected a finite learning rate > 0, got {self.lr!r}")
+        for name in ("min_lr", "weight_decay"):
+            value = getattr(self, name)
+            if not _is_number(value) or not 0 <= value < math.inf:
+                raise ValueError(f"{name}: expected a finite number >= 0, got {value!r}")
+        clip = self.grad_clip
+        if clip is not None and (not _is_number(clip) or not 0 <= clip < math.inf):
+            raise ValueError(f"grad_clip: expected None (no clipping) or finite >= 0, got {clip}")
+        if len(self.betas) != 2 or not all(_is_number(b) and 0 <= b < 1 for b in self.betas):
+            raise ValueError(f"betas: expected two numbers in [0, 1), got {self.betas!r}")
         if not callable(self.lr_schedule) and self.lr_schedule not in SCHEDULES:
             raise ValueError(f"lr_schedule: expected one of {SCHEDULES} or a function, got {self.lr_schedule!r}")
-        for name in ("eval_every", "log_every", "checkpoint_every"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"{name}: expected >= 0, got {getattr(self, name)}")
         if self.checkpoint_every and self.checkpoint_dir is None:
             raise ValueError("checkpoint_dir: checkpoint_every is set, so a directory is needed, got None")
+        folder = self.checkpoint_dir
+        if folder is not None and Path(folder).exists() and not Path(folder).is_dir():
+            raise ValueError(f"checkpoint_dir: expected a directory, got the file {folder}")
+        metric = self.best_metric
+        if metric is not None and not (isinstance(metric, str) and metric):
+            raise ValueError(f"best_metric: expected None or the name of a metric, got {metric!r}")
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and not math.isnan(value)
 
 
 @dataclass
@@ -88,13 +116,21 @@ class History:
     lr: list[float] = field(default_factory=list)
     grad_norm: list[float] = field(default_factory=list)
     evals: list[dict[str, float]] = field(default_factory=list)  # each has a "step" key
+    best: dict[str, float] = field(default_factory=dict)  # {"step": s, metric: v} of the best eval
+    # The weights of the best evaluation (on the CPU); not part of `to_dict`.
+    best_state: dict[str, Tensor] | None = field(default=None, repr=False, compare=False)
 
-    def to_dict(self) -> dict[str, list]:
-        return asdict(self)
+    def to_dict(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "best_state"}
 
     @classmethod
-    def from_dict(cls, data: dict[str, list]) -> History:
-        return cls(**{f.name: list(data[f.name]) for f in fields(cls)})
+    def from_dict(cls, data: dict[str, Any]) -> History:
+        lists = [f.name for f in fields(cls) if f.name not in ("best", "best_state")]
+        missing = [name for name in lists if name not in data]
+        if missing:
+            raise ValueError(f"history: expected the fields {missing}, which are missing")
+        # "best" is absent from checkpoints written before it existed.
+        return cls(**{name: list(data[name]) for name in lists}, best=dict(data.get("best", {})))
 
 
 # Learning-rate schedules: plain functions of the step, so a notebook can plot them.
@@ -209,13 +245,19 @@ def _set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def _atomic_save(obj: Any, path: Path) -> None:
-    """Write to a temporary file in the same folder, then rename: the old file survives a crash."""
+def atomic_write(path: str | Path, write: Callable[[Any], None] | bytes | str) -> None:
+    """Write a file atomically: to a temporary file in the same folder, then rename it over `path`,
+    so a crash leaves the old file intact. `write` is the content, or a function given the open
+    binary file (`lambda f: torch.save(obj, f)`)."""
+    path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "wb") as f:
-            torch.save(obj, f)
+            if callable(write):
+                write(f)
+            else:
+                f.write(write.encode() if isinstance(write, str) else write)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -228,17 +270,51 @@ def save_checkpoint(
     path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer | None, step: int, history: History
 ) -> None:
     """Save everything needed to resume after `step` completed steps."""
-    _atomic_save(
-        {
-            "model": model.state_dict(),
-            "optimizer": optimizer.state_dict() if optimizer is not None else None,
-            "step": step,
-            "rng": _rng_state(),
-            "history": history.to_dict(),
-            "architecture": _architecture(model),
-        },
-        Path(path),
-    )
+    checkpoint = {
+        "model": model.state_dict(),
+        "optimizer": optimizer.state_dict() if optimizer is not None else None,
+        "step": step,
+        "rng": _rng_state(),
+        "history": history.to_dict(),
+        "architecture": _architecture(model),
+    }
+    atomic_write(path, lambda f: torch.save(checkpoint, f))
+
+
+def read_checkpoint(path: str | Path) -> dict[str, Any]:
+    """Read a checkpoint written by `save_checkpoint`, refusing (with the file and the field named)
+    one that is empty, truncated, not a checkpoint, or missing a field."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"path: no checkpoint at {path}")
+    try:
+        checkpoint = torch.load(path, map_location="cpu", weights_only=True)
+    except (pickle.UnpicklingError, EOFError, OSError, RuntimeError, ValueError) as error:
+        if "Unsupported global" in str(error):
+            raise ValueError(
+                f"checkpoint {path}: holds objects other than tensors and plain data, so it was "
+                "not written by this course; refusing to unpickle it"
+            ) from None
+        unpickling = isinstance(error, pickle.UnpicklingError)
+        reason = "not a PyTorch file" if unpickling else str(error) or "unexpected end of file"
+        raise ValueError(
+            f"checkpoint {path}: cannot be read ({type(error).__name__}: {reason}); it is empty, "
+            f"truncated or not a checkpoint ({path.stat().st_size} bytes). Delete it to start again"
+        ) from None
+    if not isinstance(checkpoint, dict):
+        got = type(checkpoint).__name__
+        raise ValueError(f"checkpoint {path}: expected a dict of {FIELDS}, got a {got}")
+    for key in FIELDS:
+        if key not in checkpoint:
+            raise ValueError(f"checkpoint {path}: the field {key!r} is missing (of {FIELDS})")
+    step = checkpoint["step"]
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise ValueError(f"checkpoint {path}: field 'step' must be an int >= 0, got {step!r}")
+    for key in ("model", "history", "architecture"):
+        if not isinstance(checkpoint[key], dict):
+            got = type(checkpoint[key]).__name__
+            raise ValueError(f"checkpoint {path}: field {key!r} must be a dict, got {got}")
+    return checkpoint
 
 
 def load_checkpoint(
@@ -248,11 +324,11 @@ def load_checkpoint(
 
     A checkpoint from a different architecture is refused with a list of what differs.
     """
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"path: no checkpoint at {path}")
-    checkpoint = torch.load(path, map_location="cpu", weights_only=True)
-    problems = _describe_mismatch(checkpoint["architecture"], _architecture(model))
+    checkpoint = read_checkpoint(path)
+    try:
+        problems = _describe_mismatch(checkpoint["architecture"], _architecture(model))
+    except (KeyError, TypeError, AttributeError) as error:
+        raise ValueError(f"checkpoint {path}: field 'architecture' is malformed: {error}") from None
     if problems:
         raise ValueError(
             f"checkpoint {path} was saved from a different model; use another checkpoint_dir or the "
@@ -267,9 +343,9 @@ def load_checkpoint(
 # Progress reporting.
 
 
-def _in_notebook() -> bool:
-    """True inside Jupyter, where we print plain lines instead of drawing a tqdm bar."""
-    return "ipykernel" in sys.modules and not sys.stderr.isatty()
+def _draw_bar() -> bool:
+    """A tqdm bar only on a terminal; a notebook or a log file gets plain lines at each log step."""
+    return sys.stderr.isatty() and "ipykernel" not in sys.modules
 
 
 def _format(record: dict[str, float]) -> str:
@@ -279,6 +355,24 @@ def _format(record: dict[str, float]) -> str:
             continue
         parts.append(f"{key} {value:.2e}" if key == "lr" else f"{key} {value:.4f}")
     return " | ".join(parts)
+
+
+def _step_if_finite(optimizer: torch.optim.Optimizer, finite: Tensor) -> None:
+    """Take the optimizer step only if `finite` (a bool tensor) is True.
+
+    A fused optimizer skips the whole update on the device when its `found_inf` is set (the flag
+    `torch.amp.GradScaler` uses), so the host never waits for the GPU; any other optimizer needs
+    the answer on the host (free on the CPU).
+    """
+    if optimizer.defaults.get("fused"):
+        optimizer.found_inf = (~finite).float()
+        optimizer.step()
+    elif finite.item():
+        optimizer.step()
+
+
+def _all_finite(params: list[Tensor]) -> bool:
+    return bool(torch.stack([p.detach().isfinite().all() for p in params]).all())
 
 
 def train(
@@ -299,8 +393,12 @@ def train(
     called every `cfg.eval_every` steps and at the end in eval mode without gradients, returns
     metrics such as `{"valid_loss": ...}`. `on_log(record)` receives each logged record.
 
-    If `cfg.checkpoint_dir` holds a checkpoint, training resumes from it.
+    If `cfg.checkpoint_dir` holds a checkpoint, training resumes from it. The model ends with the
+    weights of the last step; with `cfg.best_metric`, `History.best` says which evaluation was
+    best and `History.best_state` holds its weights.
     """
+    if cfg.best_metric is not None and evaluate is None:
+        raise ValueError(f"evaluate: best_metric={cfg.best_metric!r} needs a function, got None")
     distributed = dist.is_available() and dist.is_initialized()
     is_main = not distributed or dist.get_rank() == 0
     device = next(model.parameters()).device
@@ -313,12 +411,24 @@ def train(
         optimizer = make_optimizer(raw_model, cfg)
     history = History()
     start = 0
-    checkpoint_path = Path(cfg.checkpoint_dir) / CHECKPOINT_NAME if cfg.checkpoint_dir is not None else None
+    folder = Path(cfg.checkpoint_dir) if cfg.checkpoint_dir is not None else None
+    checkpoint_path = folder / CHECKPOINT_NAME if folder is not None else None
+    best_path = folder / BEST_NAME if folder is not None else None
     if checkpoint_path is not None and checkpoint_path.exists():
         checkpoint = load_checkpoint(checkpoint_path, raw_model, optimizer)
         start = checkpoint["step"]
-        history = History.from_dict(checkpoint["history"])
+        try:
+            history = History.from_dict(checkpoint["history"])
+        except (TypeError, ValueError) as error:
+            problem = f"checkpoint {checkpoint_path}: field 'history' is malformed: {error}"
+            raise ValueError(problem) from None
         _set_rng_state(checkpoint["rng"])
+        if history.best and best_path.exists():
+            best = read_checkpoint(best_path)
+            if best["step"] == history.best["step"]:
+                history.best_state = best["model"]
+        if history.best_state is None:
+            history.best = {}  # best.pt missing, or from after this checkpoint: found again below
         if is_main and cfg.progress:
             action = "loaded the finished run" if start >= cfg.max_steps else "resuming"
             print(f"{action} from {checkpoint_path} (step {start})", flush=True)
@@ -331,16 +441,40 @@ def train(
     clip = cfg.grad_clip if cfg.grad_clip else math.inf
     params = [p for p in raw_model.parameters() if p.requires_grad]
     bar = None
-    notebook = _in_notebook()
-    if is_main and cfg.progress and not notebook and start < cfg.max_steps:
+    if is_main and cfg.progress and _draw_bar() and start < cfg.max_steps:
         from tqdm.auto import tqdm
 
         bar = tqdm(total=cfg.max_steps, initial=start, file=sys.stderr, dynamic_ncols=True)
     started = time.perf_counter()
+    pending: list[tuple[int, Tensor, Tensor]] = []  # (step, loss, grad norm), still on the device
+    saved_step = start
 
-    def save(step: int) -> None:
-        if checkpoint_path is not None and is_main:
-            save_checkpoint(checkpoint_path, raw_model, optimizer, step, history)
+    def collect() -> None:
+        """Bring the pending losses and gradient norms to the host (one synchronisation) and stop
+        on the first step whose loss or gradients were not finite (that step was not taken)."""
+        if not pending:
+            return
+        values = torch.stack([torch.stack(pair) for _, *pair in pending]).float().tolist()
+        steps = [step for step, _, _ in pending]
+        pending.clear()
+        bad = [(s, *v) for s, v in zip(steps, values) if not all(map(math.isfinite, v))]
+        if bad:
+            step, loss, norm = bad[0]
+            kept = f"; {checkpoint_path} (step {saved_step}) is intact" if checkpoint_path else ""
+            raise FloatingPointError(
+                f"step {step}: loss {loss}, gradient norm {norm}: not finite, so the step was not "
+                f"taken ({len(bad)} such step(s) up to step {steps[-1]}) and training "
+                f"stopped{kept}. Lower lr or check the data"
+            )
+        history.step.extend(steps)
+        history.train_loss.extend(loss for loss, _ in values)
+        history.grad_norm.extend(norm for _, norm in values)
+
+    def save(path: Path, step: int) -> None:
+        if is_main:
+            if not _all_finite(params):
+                raise FloatingPointError(f"step {step}: weights not finite; {path} was not written")
+            save_checkpoint(path, raw_model, optimizer, step, history)
         if distributed:
             dist.barrier()
 
@@ -350,6 +484,8 @@ def train(
         if not cfg.progress:
             return
         if bar is not None:
+            if "loss" in record:
+                bar.set_postfix(loss=f"{record['loss']:.3f}", lr=f"{history.lr[-1]:.1e}")
             bar.write(_format(record))
         else:
             print(f"{_format(record)} | {time.perf_counter() - started:.0f}s", flush=True)
@@ -362,44 +498,54 @@ def train(
         batch = get_batch(step)
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=use_amp):
             loss = loss_fn(model, batch)
-        if not torch.isfinite(loss):
-            raise FloatingPointError(f"loss is {loss.item()} at step {step}: lower lr or check the data")
         loss.backward()
         grad_norm = torch.nn.utils.clip_grad_norm_(params, clip)
-        optimizer.step()
+        _step_if_finite(optimizer, torch.isfinite(loss.detach()) & torch.isfinite(grad_norm))
         optimizer.zero_grad(set_to_none=True)
 
         loss_value = loss.detach()
         if distributed:
             dist.all_reduce(loss_value, op=dist.ReduceOp.AVG)
-        history.step.append(step)
-        history.train_loss.append(loss_value.item())
+        pending.append((step, loss_value, grad_norm.detach()))
         history.lr.append(lr)
-        history.grad_norm.append(grad_norm.item())
         done = step + 1
+        last = done == cfg.max_steps
         record = None
-        if is_main and cfg.log_every and (done % cfg.log_every == 0 or done == cfg.max_steps):
+        if cfg.log_every and (done % cfg.log_every == 0 or last):
+            collect()  # on every rank: all stop together on a non-finite step
             window = history.train_loss[-cfg.log_every :]
             record = {"step": done, "loss": sum(window) / len(window), "lr": lr}
-        if evaluate is not None and (
-            (cfg.eval_every and done % cfg.eval_every == 0) or done == cfg.max_steps
-        ):
+        if evaluate is not None and ((cfg.eval_every and done % cfg.eval_every == 0) or last):
+            collect()
             model.eval()
             with torch.no_grad(), torch.autocast(device.type, dtype=torch.bfloat16, enabled=use_amp):
                 metrics = {k: float(v) for k, v in evaluate(raw_model).items()}
             model.train()
             history.evals.append({"step": done, **metrics})
+            if cfg.best_metric is not None:
+                name = cfg.best_metric
+                if name not in metrics:
+                    got = sorted(metrics)
+                    raise ValueError(f"best_metric: {name!r} is not among evaluate's metrics {got}")
+                value = metrics[name]
+                if math.isfinite(value) and (not history.best or value < history.best[name]):
+                    history.best = {"step": done, name: value}
+                    state = raw_model.state_dict()
+                    history.best_state = {k: v.detach().cpu().clone() for k, v in state.items()}
+                    if best_path is not None:
+                        save(best_path, done)
             if is_main:
                 record = {**(record or {"step": done}), **metrics}
         if record is not None and is_main:
             report(record)
         if bar is not None:
             bar.update(1)
-            bar.set_postfix(loss=f"{history.train_loss[-1]:.3f}", lr=f"{lr:.1e}")
-        if checkpoint_path is not None and (
-            (cfg.checkpoint_every and done % cfg.checkpoint_every == 0) or done == cfg.max_steps
-        ):
-            save(done)
+        periodic = cfg.checkpoint_every and done % cfg.checkpoint_every == 0
+        if checkpoint_path is not None and (periodic or last):
+            collect()
+            save(checkpoint_path, done)
+            saved_step = done
+    collect()
     if bar is not None:
         bar.close()
     model.eval()

@@ -240,12 +240,12 @@ def _block_variants(block: TransformerBlock, x: torch.Tensor, mask: torch.Tensor
     post = lambda h, m: (lambda r: block.ln2(r + block.mlp(r)))(block.ln1(h + attn(h, m)))  # noqa: E731
     right, wrong = (pre, post) if block.norm == "pre" else (post, pre)
     variants = {
-        "attention must be causal: combine causal_mask(pos) with the mask you are given, so no "
-        "position sees a later one.": right(x, mask),
+        "attention must be causal: call self.attn(..., mask=mask, causal=True), so no position "
+        "sees a later one.": right(x, mask),
         f"this is {'post' if block.norm == 'pre' else 'pre'}-LN; with norm={block.norm!r} "
         + ("normalise each sublayer's input: x = x + attn(ln1(x)), then x = x + mlp(ln2(x))."
            if block.norm == "pre" else "normalise after each residual sum: x = ln1(x + attn(x))."): wrong(x, causal),
-        "the mask you are given is ignored: combine it with the causal mask.": right(x, causal_mask(pos)),
+        "the mask you are given is ignored: pass it on to attention (mask=mask).": right(x, causal_mask(pos)),
     }
     if block.norm == "pre":
         normed = block.ln1(x)
