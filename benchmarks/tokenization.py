@@ -6,9 +6,9 @@ two files, encode all of wikitext-2 (valid and test) from a cold start: a freshl
 per round, so no cache carries over. It asserts identical ids and reports each one's time as a
 ratio to tiktoken's (the course aims for at most 3x), plus the time to build each from the files.
 
-Part 2, training: both tokenizers are byte-level BPE with GPT-2's regex pre-split, trained on all of Tiny
-Shakespeare to the same vocabulary size (4096 by default). The script reports, as medians of
-`--repeats` rounds with the two implementations alternating so machine load hits both alike:
+Part 2, training: both tokenizers are byte-level BPE with GPT-2's regex pre-split, trained on
+all of Tiny Shakespeare to the same vocabulary size (4096 by default). The script reports, as
+medians of `--repeats` rounds with the implementations alternating so machine load hits both alike:
 
 * training time, and ours / HF (the course aims for at most 10x);
 * encoding throughput of the whole text in MB/s, starting from an empty per-chunk cache, and
@@ -17,7 +17,8 @@ Shakespeare to the same vocabulary size (4096 by default). The script reports, a
 
 Hugging Face runs on `--threads` threads (default 1, a like-for-like comparison with Python).
 
-Usage: python benchmarks/tokenization.py [--vocab-size 4096] [--repeats 3] [--threads 1] [--gpt2-only]
+Usage: python benchmarks/tokenization.py [--vocab-size 4096] [--repeats 3] [--threads 1]
+                                         [--gpt2-only]
 """
 
 from __future__ import annotations
@@ -72,12 +73,13 @@ def gpt2_files(repeats: int) -> None:
         for name in builders:
             assert ids[name] == ids["tiktoken"], f"{name} ids differ from tiktoken's"
     base = statistics.median(encode["tiktoken"])
-    print(f"GPT-2's files, wikitext-2 valid + test: {n_bytes:,} bytes, {len(ids['tiktoken']):,} tokens, "
-          f"identical ids; median of {repeats}, each from a fresh tokenizer")
+    print(f"GPT-2's files, wikitext-2 valid + test: {n_bytes:,} bytes, "
+          f"{len(ids['tiktoken']):,} tokens, identical ids; median of {repeats}, fresh tokenizers")
     for name in builders:
         seconds = statistics.median(encode[name])
-        print(f"  {name:<9} encode {seconds:6.2f} s ({n_bytes / seconds / 1e6:5.2f} MB/s) = {seconds / base:5.2f}x "
-              f"tiktoken's time; build from files {statistics.median(build[name]):5.2f} s")
+        built = statistics.median(build[name])
+        print(f"  {name:<9} encode {seconds:6.2f} s ({n_bytes / seconds / 1e6:5.2f} MB/s) = "
+              f"{seconds / base:5.2f}x tiktoken's time; build from files {built:5.2f} s")
     print("  goal: course <= 3x tiktoken's time")
 
 

@@ -174,10 +174,10 @@ def test_every_image_has_a_real_alt_text(page, book_html):
 def test_drawn_figure_is_on_its_page_with_a_caption(page, drawing, book_html):
     parsed = scan(book_html / page)
     figures = [f for f in parsed.figures if any(src.endswith("/" + drawing) for src in f["images"])]
-    assert len(figures) == 1, f"{page}: expected one <figure> showing {drawing}, found {len(figures)}"
+    assert len(figures) == 1, f"{page}: expected one <figure> showing {drawing}, got {len(figures)}"
     assert len(figures[0]["caption"].split()) >= 5, f"{page}: {drawing} has no caption"
     (src,) = [src for src in figures[0]["images"] if src.endswith("/" + drawing)]
-    assert (book_html / page).parent.joinpath(src).resolve().is_file(), f"{page}: {src} is not in the site"
+    assert (book_html / page).parent.joinpath(src).resolve().is_file(), f"{page}: no file {src}"
 
 
 def test_root_redirects_to_the_landing_page(book_html):
@@ -260,7 +260,9 @@ async () => {
     mathErrors: Array.from(article.querySelectorAll("mjx-merror")).map(e => e.textContent),
     text: visible.innerText,
     images: images.map(img => ({
-      src: img.currentSrc || img.src, alt: img.getAttribute("alt"), ok: img.complete && img.naturalWidth > 0,
+      src: img.currentSrc || img.src,
+      alt: img.getAttribute("alt"),
+      ok: img.complete && img.naturalWidth > 0,
     })),
     links: Array.from(document.querySelectorAll("a[href]")).map(a => a.href),
   };

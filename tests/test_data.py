@@ -151,7 +151,7 @@ def test_bad_archive_is_refused(server, offline_cache, monkeypatch):
 
 
 def test_gpt2_tokenizer_files_are_openais(monkeypatch):
-    """The registry points at the URLs tiktoken's `gpt2` encoding reads; the mirror's copies verify."""
+    """The registry names the URLs tiktoken's `gpt2` encoding reads; the mirror's copies verify."""
     if not (MIRROR / "gpt2" / "vocab.bpe").is_file():
         pytest.skip("the data mirror has no gpt2/ folder")
     monkeypatch.setenv(data.MIRROR_ENV, str(MIRROR))

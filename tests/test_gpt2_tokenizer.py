@@ -1,4 +1,4 @@
-"""GPT-2's real tokenizer, loaded by the course, against tiktoken and Hugging Face built from the same files.
+"""GPT-2's real tokenizer as the course loads it, against tiktoken and Hugging Face.
 
 Both references are built offline from OpenAI's `encoder.json` and `vocab.bpe` (the mirror's
 `gpt2/` folder), so the comparison needs no network and no cached Hugging Face download.
@@ -22,7 +22,7 @@ from transformer_course.tokenization import BPETokenizer
 ENDOFTEXT = "<|endoftext|>"
 # tiktoken_ext/openai_public.py, gpt2(): the pre-split regex of OpenAI's encoder.py
 GPT2_PAT_STR = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
-MIRROR = Path(os.environ.get(data.MIRROR_ENV, Path(__file__).resolve().parents[2] / "shared" / "data"))
+MIRROR = Path(os.environ.get(data.MIRROR_ENV) or Path(__file__).resolve().parents[2] / "shared/data")
 pytestmark = pytest.mark.skipif(
     not (MIRROR / "gpt2" / "vocab.bpe").is_file(),
     reason=f"needs the data mirror ({data.MIRROR_ENV}) with gpt2/encoder.json and gpt2/vocab.bpe",
@@ -42,13 +42,15 @@ def tiktoken_gpt2() -> tiktoken.Encoding:
         encoder_json_file=str(data.fetch("gpt2", "encoder.json")),
     )
     return tiktoken.Encoding(
-        "gpt2-offline", pat_str=GPT2_PAT_STR, mergeable_ranks=ranks, special_tokens={ENDOFTEXT: 50256}
+        "gpt2-offline", pat_str=GPT2_PAT_STR, mergeable_ranks=ranks,
+        special_tokens={ENDOFTEXT: 50256},
     )
 
 
 @pytest.fixture(scope="module")
 def hf_gpt2() -> GPT2Tokenizer:
-    return GPT2Tokenizer(vocab=str(data.fetch("gpt2", "encoder.json")), merges=str(data.fetch("gpt2", "vocab.bpe")))
+    vocab, merges = data.fetch("gpt2", "encoder.json"), data.fetch("gpt2", "vocab.bpe")
+    return GPT2Tokenizer(vocab=str(vocab), merges=str(merges))
 
 
 def test_loader_gives_gpt2s_vocabulary(ours: BPETokenizer) -> None:
@@ -78,7 +80,8 @@ def test_endoftext_is_one_special_token(
     assert ids == tiktoken_gpt2.encode(text, allowed_special="all")
     assert ids == hf_gpt2(text)["input_ids"]
     assert ours.decode(ids) == text
-    assert ours.encode("<|endoftext") == tiktoken_gpt2.encode_ordinary("<|endoftext")  # no partial match
+    partial = "<|endoftext"  # not the special token: ordinary text
+    assert ours.encode(partial) == tiktoken_gpt2.encode_ordinary(partial)
 
 
 @settings(max_examples=200, deadline=None)
