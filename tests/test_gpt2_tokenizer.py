@@ -22,7 +22,8 @@ from transformer_course.tokenization import BPETokenizer
 ENDOFTEXT = "<|endoftext|>"
 # tiktoken_ext/openai_public.py, gpt2(): the pre-split regex of OpenAI's encoder.py
 GPT2_PAT_STR = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
-MIRROR = Path(os.environ.get(data.MIRROR_ENV) or Path(__file__).resolve().parents[2] / "shared/data")
+DEFAULT_MIRROR = Path(__file__).resolve().parents[2] / "shared" / "data"
+MIRROR = Path(os.environ.get(data.MIRROR_ENV) or DEFAULT_MIRROR)
 pytestmark = pytest.mark.skipif(
     not (MIRROR / "gpt2" / "vocab.bpe").is_file(),
     reason=f"needs the data mirror ({data.MIRROR_ENV}) with gpt2/encoder.json and gpt2/vocab.bpe",
