@@ -1,8 +1,14 @@
-"""Training and encoding speed of the course's BPE against Hugging Face `tokenizers`.
+"""Speed of the course's BPE: training and encoding against Hugging Face and tiktoken.
 
-Both tokenizers are byte-level BPE with GPT-2's regex pre-split, trained on all of Tiny
-Shakespeare to the same vocabulary size (4096 by default). The script reports, as medians of
-`--repeats` rounds with the two implementations alternating so machine load hits both alike:
+Part 1, GPT-2's real tokenizer (OpenAI's `encoder.json` and `vocab.bpe`): the course's
+`load_gpt2_tokenizer()`, tiktoken and Hugging Face's `GPT2TokenizerFast`, each built from the same
+two files, encode all of wikitext-2 (valid and test) from a cold start: a freshly built tokenizer
+per round, so no cache carries over. It asserts identical ids and reports each one's time as a
+ratio to tiktoken's (the course aims for at most 3x), plus the time to build each from the files.
+
+Part 2, training: both tokenizers are byte-level BPE with GPT-2's regex pre-split, trained on
+all of Tiny Shakespeare to the same vocabulary size (4096 by default). The script reports, as
+medians of `--repeats` rounds with the implementations alternating so machine load hits both alike:
 
 * training time, and ours / HF (the course aims for at most 10x);
 * encoding throughput of the whole text in MB/s, starting from an empty per-chunk cache, and
@@ -12,6 +18,7 @@ Shakespeare to the same vocabulary size (4096 by default). The script reports, a
 Hugging Face runs on `--threads` threads (default 1, a like-for-like comparison with Python).
 
 Usage: python benchmarks/tokenization.py [--vocab-size 4096] [--repeats 3] [--threads 1]
+                                         [--gpt2-only]
 """
 
 from __future__ import annotations
@@ -22,13 +29,72 @@ import statistics
 import time
 
 
+def timed(fn):
+    start = time.perf_counter()
+    result = fn()
+    return time.perf_counter() - start, result
+
+
+def gpt2_files(repeats: int) -> None:
+    """Encode wikitext-2 with GPT-2's files: the course against tiktoken and Hugging Face."""
+    import tiktoken
+    from tiktoken.load import data_gym_to_mergeable_bpe_ranks
+    from transformers import GPT2TokenizerFast
+
+    from transformer_course.data import fetch, load_gpt2_tokenizer, load_text
+
+    encoder_json, vocab_bpe = str(fetch("gpt2", "encoder.json")), str(fetch("gpt2", "vocab.bpe"))
+    # tiktoken_ext/openai_public.py, gpt2(): OpenAI's pre-split regex
+    pat_str = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
+    builders = {
+        "course": load_gpt2_tokenizer,
+        "tiktoken": lambda: tiktoken.Encoding(
+            "gpt2", pat_str=pat_str, special_tokens={"<|endoftext|>": 50256},
+            mergeable_ranks=data_gym_to_mergeable_bpe_ranks(vocab_bpe, encoder_json),
+        ),
+        "HF fast": lambda: GPT2TokenizerFast(vocab=encoder_json, merges=vocab_bpe),
+    }
+    encoders = {
+        "course": lambda tok, text: tok.encode(text),
+        "tiktoken": lambda tok, text: tok.encode_ordinary(text),
+        "HF fast": lambda tok, text: tok(text)["input_ids"],
+    }
+    text = load_text("wikitext-2-valid") + load_text("wikitext-2-test")
+    n_bytes = len(text.encode("utf-8"))
+    build: dict[str, list[float]] = {name: [] for name in builders}
+    encode: dict[str, list[float]] = {name: [] for name in builders}
+    ids = {}
+    for _ in range(repeats):
+        for name, make in builders.items():  # alternate, so machine load hits all alike
+            seconds, tok = timed(make)
+            build[name].append(seconds)
+            seconds, ids[name] = timed(lambda: encoders[name](tok, text))
+            encode[name].append(seconds)
+        for name in builders:
+            assert ids[name] == ids["tiktoken"], f"{name} ids differ from tiktoken's"
+    base = statistics.median(encode["tiktoken"])
+    print(f"GPT-2's files, wikitext-2 valid + test: {n_bytes:,} bytes, "
+          f"{len(ids['tiktoken']):,} tokens, identical ids; median of {repeats}, fresh tokenizers")
+    for name in builders:
+        seconds = statistics.median(encode[name])
+        built = statistics.median(build[name])
+        print(f"  {name:<9} encode {seconds:6.2f} s ({n_bytes / seconds / 1e6:5.2f} MB/s) = "
+              f"{seconds / base:5.2f}x tiktoken's time; build from files {built:5.2f} s")
+    print("  goal: course <= 3x tiktoken's time")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--vocab-size", type=int, default=4096)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1, help="threads for Hugging Face tokenizers")
+    parser.add_argument("--gpt2-only", action="store_true", help="only part 1, GPT-2's real files")
     args = parser.parse_args()
     os.environ["RAYON_NUM_THREADS"] = str(args.threads)  # read when tokenizers starts its pool
+
+    gpt2_files(args.repeats)
+    if args.gpt2_only:
+        return
 
     import tokenizers
     from tokenizers import pre_tokenizers, trainers
@@ -47,11 +113,6 @@ def main() -> None:
         )
         hf.train_from_iterator([text], trainer)
         return hf
-
-    def timed(fn):
-        start = time.perf_counter()
-        result = fn()
-        return time.perf_counter() - start, result
 
     times: dict[str, list[float]] = {"train ours": [], "train hf": [], "encode ours": [], "encode hf": []}
     for _ in range(args.repeats):

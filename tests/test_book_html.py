@@ -8,12 +8,13 @@ For every page:
   * it has a title and exactly one non-empty H1, and heading levels never skip;
   * MathJax (the book's own copy) has typeset every formula: no TeX error, no raw `\\(`, `\\[`
     or `$$` left in the visible text;
-  * every image has loaded (naturalWidth > 0);
+  * every image has loaded (naturalWidth > 0) and has an alt text that describes it, not a path;
   * no console error, no uncaught exception, no failed or 4xx/5xx request;
   * no request to a host other than 127.0.0.1;
   * every internal link points to a file that exists, and its #anchor to an id on that page.
 Without a browser, the HTML is still checked for notebook outputs a reader should never see
-(warnings, stderr, tracebacks, object reprs) and for scripts or styles from other hosts.
+(warnings, stderr, tracebacks, object reprs), for scripts or styles from other hosts, for alt
+texts, and for the course's drawn figures: each on its page, with a caption.
 
 A full-page screenshot of every page is saved under `_build/screenshots/`.
 """
@@ -57,6 +58,24 @@ BAD_OUTPUT = {
     "an object repr": re.compile(r"<torch\._C\.Generator|<matplotlib\.| object at 0x[0-9a-fA-F]+"),
 }
 BAD_OUTPUT_CLASSES = {"stderr", "traceback", "error"}
+# The course's drawn figures (book/images/*.svg) and the page each must appear on.
+DRAWN_FIGURES = {
+    "book/index.html": "chapter_map.svg",
+    "book/02_attention.html": "attention_data_flow.svg",
+    "book/05_translation.html": "encoder_decoder.svg",
+    "book/06_gpt2.html": "gpt2_residual_stream.svg",
+}
+IMAGE_FILE = re.compile(r"\S*\.(png|svg|jpe?g|gif|webp)", re.IGNORECASE)
+
+
+def alt_problem(src: str, alt: str | None) -> str | None:
+    """Why an image's alt text does not describe it (missing, a file name or path), else None."""
+    alt = (alt or "").strip()
+    if not alt:
+        return f"image without alt text: {src}"
+    if IMAGE_FILE.fullmatch(alt) or alt in src or len(alt.split()) < 3:
+        return f"image whose alt text is not a description: {src} (alt {alt!r})"
+    return None
 
 
 PAGES = [f"{page}.html" for page in toc_pages()]
@@ -73,6 +92,8 @@ class _Scan(HTMLParser):
         self.resources: list[str] = []
         self.outputs: list[str] = []
         self.bad_blocks: list[str] = []
+        self.images: list[tuple[str, str | None]] = []  # (src, alt)
+        self.figures: list[dict] = []  # {"images": [src, ...], "caption": text}
         self._stack: list[tuple[str, bool]] = []  # open elements: (tag, inside a cell output?)
 
     def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
@@ -82,6 +103,12 @@ class _Scan(HTMLParser):
                 self.ids.add(attributes[key])
         if tag in ("script", "img", "iframe", "source", "audio", "video") and attributes.get("src"):
             self.resources.append(attributes["src"])
+        if tag == "img":
+            self.images.append((attributes.get("src") or "", attributes.get("alt")))
+            if self._open("figure"):
+                self.figures[-1]["images"].append(attributes.get("src") or "")
+        if tag == "figure":
+            self.figures.append({"images": [], "caption": ""})
         if tag == "link" and attributes.get("href") and attributes.get("rel") not in ("canonical", "alternate"):
             self.resources.append(attributes["href"])
         classes = set((attributes.get("class") or "").split())
@@ -101,6 +128,11 @@ class _Scan(HTMLParser):
     def handle_data(self, data: str) -> None:
         if self._stack and self._stack[-1][1]:
             self.outputs.append(data)
+        if self._open("figcaption") and self.figures:
+            self.figures[-1]["caption"] += data
+
+    def _open(self, tag: str) -> bool:
+        return any(open_tag == tag for open_tag, _ in self._stack)
 
 
 @functools.lru_cache(maxsize=None)
@@ -129,6 +161,23 @@ def test_no_resource_from_another_host(page, book_html):
     """Scripts, styles, images and fonts all come from the book itself."""
     external = [url for url in scan(book_html / page).resources if urlsplit(url).netloc or url.startswith("//")]
     assert not external, f"{page} loads from other hosts: {external}"
+
+
+@pytest.mark.parametrize("page", PAGES)
+def test_every_image_has_a_real_alt_text(page, book_html):
+    """Notebook plots and drawn figures alike: alt text a screen reader can read out, not a path."""
+    problems = [why for src, alt in scan(book_html / page).images if (why := alt_problem(src, alt))]
+    assert not problems, f"{page}:\n  " + "\n  ".join(problems)
+
+
+@pytest.mark.parametrize("page, drawing", sorted(DRAWN_FIGURES.items()))
+def test_drawn_figure_is_on_its_page_with_a_caption(page, drawing, book_html):
+    parsed = scan(book_html / page)
+    figures = [f for f in parsed.figures if any(src.endswith("/" + drawing) for src in f["images"])]
+    assert len(figures) == 1, f"{page}: expected one <figure> showing {drawing}, got {len(figures)}"
+    assert len(figures[0]["caption"].split()) >= 5, f"{page}: {drawing} has no caption"
+    (src,) = [src for src in figures[0]["images"] if src.endswith("/" + drawing)]
+    assert (book_html / page).parent.joinpath(src).resolve().is_file(), f"{page}: no file {src}"
 
 
 def test_root_redirects_to_the_landing_page(book_html):
@@ -210,7 +259,11 @@ async () => {
     mathTypeset: article.querySelectorAll("mjx-container").length,
     mathErrors: Array.from(article.querySelectorAll("mjx-merror")).map(e => e.textContent),
     text: visible.innerText,
-    images: images.map(img => ({src: img.currentSrc || img.src, ok: img.complete && img.naturalWidth > 0})),
+    images: images.map(img => ({
+      src: img.currentSrc || img.src,
+      alt: img.getAttribute("alt"),
+      ok: img.complete && img.naturalWidth > 0,
+    })),
     links: Array.from(document.querySelectorAll("a[href]")).map(a => a.href),
   };
 }
@@ -282,6 +335,11 @@ def test_page_in_browser(page, server, browser):
     if raw:
         problems.append(f"untypeset TeX delimiters in the visible text: {raw}")
     problems += [f"image did not load: {img['src']}" for img in info["images"] if not img["ok"]]
+    problems += [why for img in info["images"] if (why := alt_problem(img["src"], img["alt"]))]
+    if page in DRAWN_FIGURES and not any(
+        img["ok"] and img["src"].endswith("/" + DRAWN_FIGURES[page]) for img in info["images"]
+    ):
+        problems.append(f"the drawn figure {DRAWN_FIGURES[page]} is not shown")
     problems += [f"request to another host: {url}" for url in external]
     internal = {url for url in info["links"] if url.startswith(server + "/")}
     problems += [why for url in sorted(internal) if (why := _check_link(url[len(server):]))]

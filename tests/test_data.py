@@ -148,3 +148,15 @@ def test_bad_archive_is_refused(server, offline_cache, monkeypatch):
     with pytest.raises(data.DataError, match="spa-eng/spa.txt"):
         data.load_translation_pairs()
 
+
+
+def test_gpt2_tokenizer_files_are_openais(monkeypatch):
+    """The registry names the URLs tiktoken's `gpt2` encoding reads; the mirror's copies verify."""
+    if not (MIRROR / "gpt2" / "vocab.bpe").is_file():
+        pytest.skip("the data mirror has no gpt2/ folder")
+    monkeypatch.setenv(data.MIRROR_ENV, str(MIRROR))
+    for name in ("encoder.json", "vocab.bpe"):
+        file = data.REGISTRY["gpt2"][name]
+        assert file.url == f"https://openaipublic.blob.core.windows.net/gpt-2/encodings/main/{name}"
+        assert data.fetch("gpt2", name).stat().st_size == file.size
+    assert data.load_gpt2_tokenizer().decode([15496, 995, 50256]) == "Hello world<|endoftext|>"

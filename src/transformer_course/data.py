@@ -21,6 +21,8 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from transformer_course.tokenization import BPETokenizer
+
 MIRROR_ENV = "TRANSFORMER_COURSE_DATA"
 DOWNLOAD_TIMEOUT_S = 60
 
@@ -74,6 +76,20 @@ _register(
         "https://raw.githubusercontent.com/pytorch/examples/main/word_language_model/data/wikitext-2/test.txt",
         "d790b833ef8cf03a90db7bf1271b7520b83c45ce07ba3c1a9699df81e239eca0",
         1256449,
+    ),
+    DataFile(
+        "gpt2",
+        "encoder.json",
+        "https://openaipublic.blob.core.windows.net/gpt-2/encodings/main/encoder.json",
+        "196139668be63f3b5d6574427317ae82f612a97c5d1cdaf36ed2256dbf636783",
+        1042301,
+    ),
+    DataFile(
+        "gpt2",
+        "vocab.bpe",
+        "https://openaipublic.blob.core.windows.net/gpt-2/encodings/main/vocab.bpe",
+        "1ce1664773c50f3e0cc8842619a93edc4624525b728b188a9e0be33b7726adc5",
+        456318,
     ),
 )
 
@@ -190,3 +206,12 @@ def load_translation_pairs(name: str = "spa-eng") -> list[tuple[str, str]]:
             raise DataError(f"{path}:{number}: expected 'source<TAB>target', got {line!r}")
         pairs.append((fields[0], fields[1]))
     return pairs
+
+
+def load_gpt2_tokenizer() -> BPETokenizer:
+    """OpenAI's GPT-2 tokenizer (50,257 tokens, `<|endoftext|>` = 50256) as a course `BPETokenizer`.
+
+    Built from the two files OpenAI published (`encoder.json`, `vocab.bpe`), the same files
+    tiktoken's `gpt2` encoding and Hugging Face's `gpt2` tokenizer are made from.
+    """
+    return BPETokenizer.from_gpt2_files(fetch("gpt2", "encoder.json"), fetch("gpt2", "vocab.bpe"))
