@@ -18,10 +18,12 @@ from transformer_course.checks.gpt2 import (
     check_gpt2_forward,
     check_mlp,
     check_pos_embed,
+    check_top_p_filter,
+    check_train_step,
     check_transformer_block,
     check_unembed,
 )
-from transformer_course.gpt2 import GPT2, Embed, PosEmbed, Unembed, generate
+from transformer_course.gpt2 import GPT2, Embed, PosEmbed, Unembed, generate, top_p_filter, train_step
 from transformer_course.masking import causal_mask, combine_masks
 
 
@@ -294,7 +296,7 @@ def test_generate_alternatives_pass():
     """Top-k by scattering the kept logits into -inf, and sampling with a Gumbel-max trick."""
 
     @torch.no_grad()
-    def scatter_gumbel(model, tokens, max_new_tokens, *, temperature=1.0, top_k=None, generator=None):
+    def scatter_gumbel(model, tokens, max_new_tokens, *, temperature=1.0, top_k=None, top_p=None, generator=None):
         for _ in range(max_new_tokens):
             logits = model(tokens[:, -model.cfg.n_ctx :])[:, -1]
             if temperature == 0:
@@ -304,6 +306,8 @@ def test_generate_alternatives_pass():
                 if top_k is not None:
                     values, indices = logits.topk(top_k, dim=-1)
                     logits = torch.full_like(logits, -math.inf).scatter(-1, indices, values)
+                if top_p is not None:
+                    logits = top_p_filter(logits, top_p)
                 uniform = torch.rand(logits.shape, generator=generator)
                 gumbel = -torch.log(-torch.log(uniform))
                 next_token = (logits + gumbel).argmax(-1, keepdim=True)
@@ -315,8 +319,8 @@ def test_generate_alternatives_pass():
 
 def test_generate_rejects_an_ignored_generator():
     @torch.no_grad()
-    def global_rng(model, tokens, max_new_tokens, *, temperature=1.0, top_k=None, generator=None):
-        return generate(model, tokens, max_new_tokens, temperature=temperature, top_k=top_k)
+    def global_rng(model, tokens, max_new_tokens, *, temperature=1.0, top_k=None, top_p=None, generator=None):
+        return generate(model, tokens, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p)
 
     fails(check_generate, global_rng, "same generator seed", "generator=generator")
 
@@ -380,3 +384,76 @@ def test_transformer_block_reference_and_blank():
         raise NotImplementedError("Exercise 6.5: write TransformerBlock.forward")
 
     fails(check_transformer_block, block_with(blank), "not implemented", "Exercise 6.5")
+
+
+# Top-p filtering and the training step.
+
+
+def test_top_p_filter_and_train_step_references_pass(capsys):
+    check_top_p_filter(top_p_filter)
+    check_train_step(train_step)
+    assert capsys.readouterr().out.count("passes every check") == 2
+
+
+def test_top_p_filter_bugs_are_named():
+    def drops_the_crossing_token(logits, top_p):
+        probs, order = logits.softmax(-1).sort(-1, descending=True)
+        drop = probs.cumsum(-1) > top_p
+        return logits.masked_fill(drop.scatter(-1, order, drop), -math.inf)
+
+    fails(check_top_p_filter, drops_the_crossing_token, "mass *before* it")
+
+    def stays_sorted(logits, top_p):
+        probs, order = logits.softmax(-1).sort(-1, descending=True)
+        return logits.masked_fill(probs.cumsum(-1) - probs >= top_p, -math.inf)  # mask in sorted order
+
+    fails(check_top_p_filter, stays_sorted, "scatter the mask")
+
+    def renormalises(logits, top_p):
+        return top_p_filter(logits, top_p).log_softmax(-1)
+
+    fails(check_top_p_filter, renormalises, "kept logits unchanged")
+
+
+def test_top_p_filter_alternative_passes():
+    def with_a_loop(logits, top_p):
+        out = torch.full_like(logits, -math.inf)
+        for row in range(logits.shape[0]):
+            probs = logits[row].softmax(-1)
+            total = 0.0
+            for index in probs.argsort(descending=True).tolist():
+                if total >= top_p:
+                    break
+                out[row, index], total = logits[row, index], total + probs[index].item()
+        return out
+
+    check_top_p_filter(with_a_loop)
+
+
+def _step(*, train=True, zero=True, clip=True, item=True):
+    def step(model, optimizer, tokens, targets, *, grad_clip=1.0):
+        if train:
+            model.train()
+        loss = F.cross_entropy(model(tokens).flatten(0, 1), targets.flatten())
+        if zero:
+            optimizer.zero_grad()
+        loss.backward()
+        if clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
+        optimizer.step()
+        return loss.item() if item else loss
+
+    return step
+
+
+@pytest.mark.parametrize(
+    ("bug", "words"),
+    [({"train": False}, ["model.train()"]), ({"zero": False}, ["zero_grad"]),
+     ({"clip": False}, ["clip_grad_norm_"]), ({"item": False}, ["loss.item()"])],
+)
+def test_train_step_bugs_are_named(bug, words):
+    fails(check_train_step, _step(**bug), *words)
+
+
+def test_train_step_alternative_passes():
+    check_train_step(_step())

@@ -337,14 +337,16 @@ def generate(
     *,
     temperature: float = 1.0,
     top_k: int | None = None,
+    top_p: float | None = None,
     generator: torch.Generator | None = None,
 ) -> Int[Tensor, "batch pos_plus_new"]:
     """Extend each row of `tokens` by `max_new_tokens` sampled tokens.
 
     Each step feeds the last `n_ctx` tokens (a longer prompt is cropped), divides the last
     position's logits by `temperature` (0 means greedy: always the most likely token; a tiny
-    temperature tends to greedy), keeps the `top_k` largest logits if given, and samples from the
-    softmax. The model runs in eval mode (no dropout). Logits that are not finite are an error.
+    temperature tends to greedy), keeps the `top_k` largest logits and then the `top_p` nucleus
+    if given, and samples from the softmax. The model runs in eval mode (no dropout). Logits
+    that are not finite are an error.
     """
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
         raise ValueError(f"max_new_tokens: expected a non-negative int, got {max_new_tokens!r}")
@@ -352,6 +354,8 @@ def generate(
         raise ValueError(f"temperature: expected a finite number >= 0, got {temperature!r}")
     if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1):
         raise ValueError(f"top_k: expected None or a positive int, got {top_k!r}")
+    if top_p is not None and not (isinstance(top_p, (int, float)) and 0 < top_p <= 1):
+        raise ValueError(f"top_p: expected None or a number in (0, 1], got {top_p!r}")
     check_tokens(tokens, model.cfg, any_length=True)
     if tokens.shape[1] == 0:
         raise ValueError(f"tokens: expected at least one token per row to continue from, got shape {tuple(tokens.shape)}")
@@ -374,12 +378,47 @@ def generate(
                 if top_k is not None and top_k < logits.shape[-1]:
                     kth_largest = logits.topk(top_k, dim=-1).values[:, -1:]
                     logits = logits.masked_fill(logits < kth_largest, float("-inf"))
+                if top_p is not None:
+                    logits = top_p_filter(logits, top_p)
                 probs = logits.softmax(dim=-1)
                 next_token = torch.multinomial(probs, num_samples=1, generator=generator)
             tokens = torch.cat([tokens, next_token.to(tokens.dtype)], dim=1)
     finally:
         model.train(was_training)
     return tokens
+
+
+def top_p_filter(logits: Float[Tensor, "batch d_vocab"], top_p: float) -> Float[Tensor, "batch d_vocab"]:
+    """Nucleus sampling's filter (Holtzman et al., 2020): keep, in each row, the fewest most
+    likely tokens whose probabilities add up to at least `top_p`; set the others to -inf.
+
+    The token that carries the total past `top_p` is kept, so the most likely token always is.
+    """
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    probs = sorted_logits.softmax(dim=-1)
+    drop_sorted = probs.cumsum(dim=-1) - probs >= top_p  # the mass before it already reaches top_p
+    drop = drop_sorted.scatter(-1, order, drop_sorted)
+    return logits.masked_fill(drop, float("-inf"))
+
+
+def train_step(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    tokens: Int[Tensor, "batch pos"],
+    targets: Int[Tensor, "batch pos"],
+    *,
+    grad_clip: float | None = 1.0,
+) -> float:
+    """One step of next-token training: forward in train mode, loss, fresh gradients, clip
+    their global norm to `grad_clip` (None: no clipping), update; returns the loss."""
+    model.train()
+    loss = lm_loss(model(tokens), targets)
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    if grad_clip is not None:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
+    optimizer.step()
+    return loss.item()
 
 
 def lm_loss(logits: Float[Tensor, "batch pos d_vocab"], targets: Int[Tensor, "batch pos"]) -> Float[Tensor, ""]:

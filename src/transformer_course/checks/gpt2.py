@@ -25,7 +25,7 @@ from transformer_course.checks import (
     expect_same_in_train_mode,
     passed,
 )
-from transformer_course.gpt2 import GPT2, GPT2Config
+from transformer_course.gpt2 import GPT2, GPT2Config, lm_loss, top_p_filter, train_step
 from transformer_course.masking import causal_mask, combine_masks, padding_mask
 
 __all__ = [
@@ -36,6 +36,8 @@ __all__ = [
     "check_transformer_block",
     "check_gpt2_forward",
     "check_generate",
+    "check_top_p_filter",
+    "check_train_step",
     "check_against_huggingface",
 ]
 
@@ -392,6 +394,21 @@ def _frequencies(samples: torch.Tensor) -> torch.Tensor:
     return torch.bincount(samples, minlength=CFG.d_vocab).double() / samples.numel()
 
 
+def _expect_nucleus(name: str, generate: Callable[..., torch.Tensor], model: GPT2, prompt: torch.Tensor) -> None:
+    """With `top_p`, every sample lies in the nucleus of the model's distribution."""
+    with torch.no_grad():
+        logits = model(prompt)[:, -1].float()
+    nucleus = top_p_filter(logits, 0.6)[0].isfinite().nonzero().flatten()
+    torch.manual_seed(10)
+    drawn = call(name, generate, model, prompt.expand(2000, -1), 1, top_p=0.6)[:, -1]
+    expect(
+        bool(torch.isin(drawn, nucleus).all()) and len(drawn.unique()) == len(nucleus),
+        f"{name} (top_p=0.6)",
+        f"the samples use the tokens {sorted(drawn.unique().tolist())}, the nucleus is {nucleus.tolist()}.",
+        "after temperature and top_k, filter the logits with your top_p_filter before the softmax.",
+    )
+
+
 def _expect_top_k_per_row(name: str, generate: Callable[..., torch.Tensor], model: GPT2) -> None:
     """Rows with different prompts: each row samples from its own top k, not row 0's."""
     prompts = _tokens(batch=4, pos=3, seed=8)
@@ -517,6 +534,7 @@ def check_generate(generate: Callable[..., torch.Tensor]) -> None:
                 f"distribution (frequency off by {worst:.3f}).\nHint: {hint}"
             )
     _expect_top_k_per_row(name, generate, model)
+    _expect_nucleus(name, generate, model, prompt[:1])
     _expect_generator_is_used(name, generate, model, prompt)
     passed(name)
 
@@ -545,4 +563,82 @@ def check_against_huggingface(model: torch.nn.Module, hf_model: torch.nn.Module,
         worst = (ours.float() - theirs.float()).abs().max().item()
         print(f"{stage:<24} max |difference| {worst:.1e}")
         expect(worst < 1e-4, f"{name}, {stage}", f"differs from Hugging Face's by up to {worst:.3g}.", hint)
+    passed(name)
+
+
+def check_top_p_filter(fn: Callable[..., torch.Tensor]) -> None:
+    """`fn(logits, top_p)`: per row, keep the fewest most likely tokens whose probabilities
+    reach `top_p` (the one that crosses it included); the others become -inf."""
+    name = "top_p_filter"
+    generator = torch.Generator().manual_seed(12)
+    logits = torch.randn(4, 11, generator=generator, dtype=torch.float64) * torch.tensor([[0.5], [1], [2], [4]],
+                                                                                          dtype=torch.float64)
+    for top_p in (0.3, 0.75, 0.95, 1.0, 1e-6):
+        where = f"{name}(logits of 4 different rows, top_p={top_p})"
+        actual = call(where, fn, logits.clone(), top_p)
+        expected = top_p_filter(logits, top_p)
+        expect(isinstance(actual, torch.Tensor) and actual.shape == logits.shape, where,
+               f"expected a tensor of shape {tuple(logits.shape)}, got {getattr(actual, 'shape', type(actual))}.")
+        kept, wanted = actual.isfinite(), expected.isfinite()
+        if torch.equal(kept, wanted):
+            expect_close(actual.masked_fill(~kept, 0), logits.masked_fill(~wanted, 0), where,
+                         "return the kept logits unchanged (the softmax renormalises them later).", atol=1e-12)
+            continue
+        probs = logits.softmax(-1)
+        sorted_probs, order = probs.sort(-1, descending=True)
+        crossing = (sorted_probs.cumsum(-1) <= top_p).scatter(-1, order, sorted_probs.cumsum(-1) <= top_p)
+        if torch.equal(kept, crossing) or not kept.any(-1).all():
+            hint = ("keep the token whose probability carries the total past top_p: drop a token only "
+                    "when the mass *before* it already reaches top_p (so the top token always stays).")
+        elif torch.equal(kept.sort(-1, descending=True).values, wanted.sort(-1, descending=True).values) or (
+                kept.sum(-1) == wanted.sum(-1)).all():
+            hint = "the right number of tokens, the wrong ones: scatter the mask from sorted order back to vocabulary order."
+        else:
+            hint = "sort each row's probabilities (softmax, not raw logits) in descending order and cumsum along the row."
+        expect(False, where, f"kept {kept.sum(-1).tolist()} tokens per row, expected {wanted.sum(-1).tolist()}.", hint)
+    uniform = torch.zeros(2, 8, dtype=torch.float64)
+    kept = call(name, fn, uniform, 0.5).isfinite().sum(-1)
+    expect(kept.tolist() == [4, 4], f"{name}(8 equal logits, top_p=0.5)", f"kept {kept.tolist()} tokens per row, expected 4.",
+           "with ties any 4 of the 8 will do, but exactly 4.")
+    passed(name)
+
+
+def check_train_step(fn: Callable[..., float]) -> None:
+    """`fn(model, optimizer, tokens, targets, *, grad_clip)`: train mode, fresh gradients, the loss,
+    backward, clipped gradients, one update; returns the loss as a float."""
+    name = "train_step"
+    cfg = GPT2Config(**{**vars(CFG), "dropout": 0.2})
+    tokens, targets = _tokens(batch=3, pos=6, seed=13), _tokens(batch=3, pos=6, seed=14)
+
+    def fresh() -> tuple[GPT2, torch.optim.Optimizer]:
+        torch.manual_seed(15)
+        model = GPT2(cfg).eval()  # left in eval mode on purpose: the step must switch to train
+        return model, torch.optim.SGD(model.parameters(), lr=0.5)
+
+    theirs, their_optimizer = fresh()
+    ours, our_optimizer = fresh()
+    for step in range(2):
+        was_training = ours.training
+        with torch.no_grad():
+            eval_loss = lm_loss(ours.eval()(tokens), targets).item()
+        ours.train(was_training)
+        torch.manual_seed(100 + step)
+        loss = call(name, fn, theirs, their_optimizer, tokens, targets, grad_clip=0.5)
+        torch.manual_seed(100 + step)
+        expected = train_step(ours, our_optimizer, tokens, targets, grad_clip=0.5)
+        where = f"{name} (step {step + 1}, dropout 0.2, SGD, grad_clip=0.5)"
+        expect(isinstance(loss, float), where, f"expected the loss as a Python float, got {type(loss).__name__}.",
+               "return loss.item(): a float frees the graph and is what a log or a plot wants.")
+        if not math.isclose(loss, expected, rel_tol=1e-5):
+            hint = "loss = lm_loss(model(tokens), targets), computed before the update."
+            if math.isclose(loss, eval_loss, rel_tol=1e-5):
+                hint = "the model ran in eval mode: call model.train() first, so dropout is on while training."
+            expect(False, where, f"returned loss {loss:.6f}, expected {expected:.6f}.", hint)
+        drift = max((a - b).abs().max().item() for a, b in zip(theirs.parameters(), ours.parameters()))
+        if drift > 1e-5:
+            hint = "zero the gradients before backward (optimizer.zero_grad()), so steps don't add up."
+            if step == 0:
+                hint = ("clip the gradients' global norm after backward and before optimizer.step(): "
+                        "torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip).")
+            expect(False, where, f"the parameters after the update differ by up to {drift:.3g}.", hint)
     passed(name)
