@@ -6,7 +6,9 @@ import pytest
 
 from transformer_course import tokenization
 from transformer_course.checks import CheckFailure
+from transformer_course.tokenization import BPETokenizer, encode_chunk, split_chunks
 from transformer_course.checks.tokenization import (
+    check_bpe_encode,
     check_decode_ids,
     check_encode_chunk,
     check_get_pair_counts,
@@ -185,3 +187,37 @@ def test_decode_strict_is_caught() -> None:
         return b"".join(vocab[i] for i in ids).decode("utf-8")
 
     fails_with(check_decode_ids, strict, "errors='replace'")
+
+
+# ---- BPETokenizer.encode ----------------------------------------------------------------------
+
+
+def _bpe_with(encode):
+    return type("LearnerBPE", (BPETokenizer,), {"encode": encode})
+
+
+def _chunk_ids(self, chunk):
+    return encode_chunk([self.byte_ids[b] for b in chunk.encode("utf-8")], self.merges, self.ranks)
+
+
+def test_bpe_encode_reference_passes(capsys):
+    check_bpe_encode(BPETokenizer)
+    assert "passes every check" in capsys.readouterr().out
+
+
+def test_bpe_encode_that_ignores_special_tokens_is_caught():
+    def no_specials(self, text):
+        return [i for chunk in split_chunks(text, self._split) for i in _chunk_ids(self, chunk)]
+
+    with pytest.raises(CheckFailure, match="special tokens are cut out"):
+        check_bpe_encode(_bpe_with(no_specials))
+
+
+def test_bpe_encode_that_merges_across_the_pre_split_is_caught():
+    def no_pre_split(self, text):
+        pieces = self._special_split.split(text)
+        return [i for k, piece in enumerate(pieces)
+                for i in ([self.special_tokens[piece]] if k % 2 else _chunk_ids(self, piece) if piece else [])]
+
+    with pytest.raises(CheckFailure, match="must not cross the pre-split"):
+        check_bpe_encode(_bpe_with(no_pre_split))

@@ -7,9 +7,18 @@ from collections.abc import Callable
 import regex
 
 from transformer_course.checks import CheckFailure, call, expect, passed
-from transformer_course.tokenization import GPT2_SPLIT_PATTERN, encode_chunk, get_pair_counts, merge_pair, train_merges
+from transformer_course.tokenization import (
+    GPT2_SPLIT_PATTERN,
+    BPETokenizer,
+    encode_chunk,
+    split_chunks,
+    get_pair_counts,
+    merge_pair,
+    train_merges,
+)
 
 __all__ = [
+    "check_bpe_encode",
     "check_decode_ids",
     "check_encode_chunk",
     "check_get_pair_counts",
@@ -204,4 +213,56 @@ def check_decode_ids(fn: Callable) -> None:
             f"ids {ids} should decode to {expected!r}, got {actual!r}.",
             hint or "look up each id's bytes in vocab, join them, decode as UTF-8.",
         )
+    passed(name)
+
+
+BPE_TEXTS = (
+    "Hello world! Hello, worlds.",
+    "the end<|endoftext|>The start<|endoftext|><|endoftext|>",
+    "  spaces   and\nnew lines\n\n",
+    "café, naïve, 日本語, emoji 🙂",
+    "",
+)
+
+
+def _encode_without(tokenizer: BPETokenizer, text: str, *, specials: bool = True, pre_split: bool = True) -> list[int]:
+    """The reference's encoding with one of its two splits left out: what those bugs produce."""
+    pieces = tokenizer._special_split.split(text) if specials else [text]
+    ids: list[int] = []
+    for k, piece in enumerate(pieces):
+        if k % 2:
+            ids.append(tokenizer.special_tokens[piece])
+            continue
+        for chunk in split_chunks(piece, tokenizer._split) if pre_split else [piece] if piece else []:
+            ids += encode_chunk([tokenizer.byte_ids[b] for b in chunk.encode("utf-8")], tokenizer.merges, tokenizer.ranks)
+    return ids
+
+
+def check_bpe_encode(cls: type) -> None:
+    """`cls(vocab, merges, pattern=, special_tokens=).encode(text)`: special tokens whole, the
+    pre-split, then the merges within each chunk; ids identical to the reference's."""
+    name = "BPETokenizer.encode"
+    # Runs of spaces teach the merge "  ", which the pre-split keeps from joining " spaces".
+    text = "Hello world, hello worlds. The end<|endoftext|>The start. café naïve 日本語 a  b   c\n" * 20
+    for pattern in (GPT2_SPLIT_PATTERN, None):
+        reference = BPETokenizer.train(text, 300, pattern=pattern, special_tokens=["<|endoftext|>"])
+        theirs = call(f"{name} (building the tokenizer)", cls, reference.vocab, reference.merges,
+                      pattern=pattern, special_tokens=reference.special_tokens)
+        for sample in BPE_TEXTS:
+            where = f"{name}({sample!r}), pattern={'GPT-2' if pattern else 'None'}"
+            actual = call(name, theirs.encode, sample)
+            expected = reference.encode(sample)
+            if actual == expected:
+                continue
+            expect(isinstance(actual, list) and all(isinstance(i, int) for i in actual), where,
+                   f"expected a list of int ids, got {actual!r:.80}.")
+            hint = "split out special tokens first, pre-split the rest, merge each chunk with encode_chunk."
+            if actual == _encode_without(reference, sample, specials=False):
+                hint = ("special tokens are cut out of the text first (self._special_split.split puts them "
+                        "at the odd positions) and each becomes its one id, never merged bytes.")
+            elif pattern and actual == _encode_without(reference, sample, pre_split=False):
+                hint = ("merges must not cross the pre-split: encode each chunk of "
+                        "split_chunks(piece, self._split) on its own.")
+            expect(False, where, f"expected {expected}, got {actual}.", hint)
+            expect(theirs.decode(actual) == sample, where, "decode(encode(text)) is not the text.")
     passed(name)
