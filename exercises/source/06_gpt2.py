@@ -37,12 +37,14 @@ from transformer_course.checks.gpt2 import (
     check_embed,
     check_generate,
     check_gpt2_forward,
+    check_top_p_filter,
+    check_train_step,
     check_mlp,
     check_pos_embed,
     check_transformer_block,
     check_unembed,
 )
-from transformer_course.gpt2 import GPT2Config, check_tokens
+from transformer_course.gpt2 import GPT2Config, check_tokens, lm_loss
 from transformer_course.layernorm import LayerNorm, check_last_dim
 from transformer_course.runtime import describe, seed_everything
 
@@ -163,13 +165,33 @@ tokens = torch.randint(0, hf_config.vocab_size, (2, 12))
 check_against_huggingface(yours, hf_model, tokens)
 
 # %% [markdown]
+# ## Nucleus (top-p) sampling
+#
+# `top_k` keeps a fixed number of tokens, whether the model is sure (one token has 95% of the
+# mass) or unsure (a hundred tokens have 1% each). Nucleus sampling (Holtzman et al., 2020) keeps
+# instead, in each row, the fewest most likely tokens whose probabilities add up to at least
+# `top_p`, and forbids the rest (their logits become -inf). The token whose probability carries
+# the total past `top_p` stays, so the most likely token is always kept. Return the kept logits
+# unchanged and in the original vocabulary order.
+
+# %% [exercise] transformer_course.gpt2:top_p_filter difficulty=3 importance=3 minutes=20
+# hint: Sort each row's probabilities (the softmax of the logits) in descending order and take
+#   their running sum.
+# hint: A token is dropped when the mass *before* it already reaches `top_p`:
+#   `cumsum - probs >= top_p`. Then put the mask back in vocabulary order with `scatter`.
+
+# %% [check]
+check_top_p_filter(top_p_filter)
+
+# %% [markdown]
 # ## Sampling
 #
 # A language model gives a distribution over the next token. To generate text, repeat: feed the
 # last `n_ctx` tokens, take the logits of the **last** position, divide them by the temperature
 # (below 1 sharpens, above 1 flattens; 0 means always take the most likely token), keep only the
-# `top_k` largest if asked, sample from the softmax and append the sample.
-
+# `top_k` largest if asked, then the `top_p` nucleus (your `top_p_filter`), sample from the
+# softmax and append the sample.
+#
 # Rows of a batch are independent: each keeps its own `top_k` and ends up with its own samples.
 # Draw random numbers from `generator` when one is given, so a seeded run repeats exactly.
 
@@ -177,20 +199,81 @@ check_against_huggingface(yours, hf_model, tokens)
 # hint: Each step feeds at most the last `n_ctx` tokens and uses only the logits of the last
 #   position.
 # hint: Temperature 0 is the argmax. Otherwise divide the logits by the temperature; with `top_k`,
-#   forbid every logit below the k-th largest of its own row.
-# hint: Sample with `torch.multinomial` from the softmax, append, repeat `max_new_tokens` times.
+#   forbid every logit below the k-th largest of its own row; with `top_p`, apply `top_p_filter`.
+# hint: Sample with `torch.multinomial(probs, 1, generator=generator)` from the softmax, append,
+#   repeat `max_new_tokens` times.
 
 # %% [check]
 check_generate(generate)
 
 # %% [markdown]
-# ## Putting it together
+# ## The training step
 #
-# Your model can now generate. Untrained, its samples are noise over the vocabulary; the book
-# chapter trains it on Tiny Shakespeare.
+# Training is one step repeated: put the model in train mode (dropout on), compute the loss of
+# next-token prediction (`lm_loss`: cross-entropy of each position's logits against the next
+# token), clear the old gradients, backpropagate, clip the gradients' global norm to
+# `grad_clip` (one bad batch then cannot throw the weights far), and let the optimizer update.
+# Return the loss as a Python float, for the log.
+
+# %% [exercise] transformer_course.gpt2:train_step difficulty=2 importance=5 minutes=15
+# hint: The order is: `model.train()`, loss, `optimizer.zero_grad()`, `loss.backward()`, clip,
+#   `optimizer.step()`.
+# hint: `torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)` clips in place; skip it
+#   when `grad_clip` is None. Return `loss.item()`.
 
 # %% [check]
+check_train_step(train_step)
+
+# %% [markdown]
+# ## Your GPT, trained
+#
+# Everything below runs on your code: your `GPT2` (built from your embeddings, blocks and
+# unembedding), your `train_step` and your `generate`. The data is Tiny Shakespeare, one token per
+# character (the course's `CharTokenizer`), and the model is nanoGPT's "baby GPT" for CPUs: 4
+# layers, 4 heads, width 128, a context of 64 characters. Each step trains on 12 random windows
+# of the text; every few hundred steps the loss on held-out text (the last 10%) is measured.
+# A loss of ln(65) ≈ 4.17 is a uniform guess over the 65 characters; a couple of minutes of CPU
+# training bring it near 2, where the samples take Shakespeare's layout: names, then lines.
+
+# %% [check] tags=nbval-ignore-output
+from transformer_course.data import load_text
+from transformer_course.gpt2 import estimate_loss, sample_batch
+from transformer_course.runtime import pick
+from transformer_course.tokenization import CharTokenizer
+
+text = load_text("tinyshakespeare")
+chars = CharTokenizer(text)
+data = torch.tensor(chars.encode(text))
+split = int(0.9 * len(data))
+train_data, val_data = data[:split], data[split:]
+
 seed_everything(0)
-model = GPT2(GPT2Config(d_model=32, n_layers=2, n_heads=4, d_vocab=50, n_ctx=16))
-prompt = torch.tensor([[1, 2, 3]])
-print(generate(model, prompt, 10, temperature=0).tolist())
+config = GPT2Config(d_model=128, n_layers=4, n_heads=4, d_vocab=chars.vocab_size, n_ctx=64)
+model = GPT2(config).use_fast_path()
+optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.99))
+batches = torch.Generator().manual_seed(1)
+steps, losses = pick(quick=1500, full=5000), []
+for step in range(steps):
+    tokens, targets = sample_batch(train_data, 12, 64, generator=batches)
+    losses.append(train_step(model, optimizer, tokens, targets))
+    if (step + 1) % 500 == 0:
+        val = estimate_loss(model, val_data, batch_size=12, block_size=64, n_batches=50,
+                            generator=torch.Generator().manual_seed(2))
+        print(f"step {step + 1}: train loss {sum(losses[-100:]) / 100:.3f}, val loss {val:.3f}")
+
+# %% [check] tags=nbval-ignore-output
+prompt = torch.tensor([chars.encode("\n")])
+sample = generate(model, prompt, 400, temperature=0.8, top_k=10, generator=torch.Generator().manual_seed(3))
+print(chars.decode(sample[0].tolist()))
+
+# %% [markdown]
+# ## Going further
+#
+# - **A KV cache.** `generate` runs the whole context again for every new token, although the
+#   keys and values of the earlier positions do not change. Keep them: run the prompt once,
+#   store each layer's `k` and `v`, and for each new token compute only its own query, key and
+#   value, attending to the stored keys (chapter 3's `causal_mask(1, k_len)` already aligns a
+#   single query with a longer key sequence). Check that greedy generation with the cache gives
+#   exactly the tokens of your `generate(..., temperature=0)`, and time both for 200 tokens.
+# - Train with `top_p=0.9` samples instead of `top_k=10`, or longer: the book page trains the
+#   same model for 2,000 steps and plots its loss curve.
