@@ -39,7 +39,7 @@ from transformer_course.checks.encoder_decoder import (
     check_positional_encoding,
     check_token_embedding,
 )
-from transformer_course.encoder_decoder import Seq2SeqConfig, _check_decode_args, pad_batch
+from transformer_course.encoder_decoder import TOKEN_DTYPES, Seq2SeqConfig, _check_decode_args, pad_batch
 from transformer_course.layernorm import LayerNorm
 from transformer_course.masking import causal_mask, padding_mask
 from transformer_course.runtime import describe, pick, seed_everything

@@ -44,7 +44,7 @@ from transformer_course.checks.gpt2 import (
     check_transformer_block,
     check_unembed,
 )
-from transformer_course.gpt2 import GPT2Config, check_tokens, lm_loss
+from transformer_course.gpt2 import GPT2Config, TiedUnembed, check_tokens, lm_loss
 from transformer_course.layernorm import LayerNorm, check_last_dim
 from transformer_course.runtime import describe, seed_everything
 
