@@ -16,14 +16,14 @@ from __future__ import annotations
 import heapq
 import json
 import operator
-import os
-import tempfile
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import regex
+
+from transformer_course.files import atomic_write
 
 __all__ = [
     "GPT2_SPLIT_PATTERN",
@@ -324,20 +324,6 @@ def _read_text(path: Path, name: str) -> str:
         raise ValueError(f"{name}: {str(path)!r} is not UTF-8 text: {exc}") from None
 
 
-def _write_atomically(path: Path, text: str) -> None:
-    """Write to a temporary file in the same folder, then rename: the old file survives a crash."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-
-
 def _load_field(
     state: dict[str, Any], name: str, kind: type | tuple[type, ...], expected: str
 ) -> Any:
@@ -517,7 +503,7 @@ class BPETokenizer(Tokenizer):
             "merges": [[left, right, new_id] for (left, right), new_id in self.merges.items()],
             "special_tokens": self.special_tokens,
         }
-        _write_atomically(Path(path), json.dumps(state, indent=1))
+        atomic_write(path, json.dumps(state, indent=1))
 
     @classmethod
     def load(cls, path: str | Path) -> BPETokenizer:

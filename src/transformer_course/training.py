@@ -23,11 +23,9 @@ own shard of the step's data; only rank 0 prints and saves.
 from __future__ import annotations
 
 import math
-import os
 import pickle
 import random
 import sys
-import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, fields, is_dataclass
@@ -38,6 +36,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+
+from transformer_course.files import atomic_write
 
 Batch = Any
 CHECKPOINT_NAME = "checkpoint.pt"
@@ -243,27 +243,6 @@ def _set_rng_state(state: dict[str, Any]) -> None:
     torch.set_rng_state(state["torch"])
     if state["cuda"] is not None and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
-
-
-def atomic_write(path: str | Path, write: Callable[[Any], None] | bytes | str) -> None:
-    """Write a file atomically: to a temporary file in the same folder, then rename it over `path`,
-    so a crash leaves the old file intact. `write` is the content, or a function given the open
-    binary file (`lambda f: torch.save(obj, f)`)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            if callable(write):
-                write(f)
-            else:
-                f.write(write.encode() if isinstance(write, str) else write)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
 
 
 def save_checkpoint(

@@ -17,7 +17,8 @@ import torch
 from transformer_lens.hook_points import HookPoint
 
 __all__ = [
-    "CheckFailure", "call", "expect", "expect_close", "expect_hooks", "expect_same_in_train_mode", "passed"
+    "CheckFailure", "call", "expect", "expect_close", "expect_hooks", "expect_same_in_train_mode",
+    "load_reference_weights", "passed"
 ]
 
 
@@ -177,6 +178,17 @@ def expect_same_in_train_mode(
     finally:
         module.eval(), reference.eval()
     expect_close(actual, expected.detach(), f"{name} (train mode, dropout on)", hint, atol=atol)
+
+
+def load_reference_weights(name: str, module: torch.nn.Module, reference: torch.nn.Module, parts: str) -> None:
+    """Give the learner's module the reference's weights, or say which attribute names it needs."""
+    try:
+        module.load_state_dict(reference.state_dict())
+    except Exception as exc:
+        raise CheckFailure(
+            f"`{name}`: the reference weights do not load ({exc}).\n"
+            f"Hint: keep the attribute names of __init__: {parts}."
+        ) from None
 
 
 def passed(name: str) -> None:

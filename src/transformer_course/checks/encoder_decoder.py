@@ -21,6 +21,7 @@ from transformer_course.checks import (
     expect,
     expect_close,
     expect_same_in_train_mode,
+    load_reference_weights,
     passed,
 )
 from transformer_course.encoder_decoder import (
@@ -157,10 +158,7 @@ def check_encoder_block(cls: type) -> None:
         torch.manual_seed(1)
         ours = _noisy(EncoderBlock(cfg).double(), seed=2).eval()
         theirs = call(name, cls, cfg).double()
-        try:
-            theirs.load_state_dict(ours.state_dict())
-        except RuntimeError as exc:
-            raise CheckFailure(f"`{name}`: its parameters do not match the reference's (attn, mlp, ln1, ln2): {exc}") from None
+        load_reference_weights(name, theirs, ours, "attn, mlp, ln1, ln2")
         theirs.eval()
         where = f"{name} (norm={norm!r})"
         with torch.no_grad():
@@ -208,10 +206,7 @@ def check_encoder_decoder(cls: type) -> None:
         torch.manual_seed(4)
         ours = _noisy(EncoderDecoderTransformer(cfg).double(), seed=5).eval()
         theirs = call(name, cls, cfg).double()
-        try:
-            theirs.load_state_dict(ours.state_dict())
-        except RuntimeError as exc:
-            raise CheckFailure(f"`{where}`: its parameters do not match the reference's: {exc}") from None
+        load_reference_weights(where, theirs, ours, "src_embed, tgt_embed, encoder, decoder, ln_enc, ln_dec, b_U")
         theirs.eval()
         with torch.no_grad():
             memory = call(f"{name}.encode", theirs.encode, src)
@@ -321,12 +316,7 @@ def check_decoder_block(cls: type) -> None:
                 ln.w.normal_(1.0, 0.3)
                 ln.b.normal_(0.0, 0.3)
         theirs = call(name, cls, cfg)
-        try:
-            theirs.load_state_dict(ours.state_dict())
-        except RuntimeError as exc:
-            raise CheckFailure(
-                f"`{name}`: its parameters do not match the reference's (self_attn, cross_attn, mlp, ln1, ln2, ln3): {exc}"
-            ) from None
+        load_reference_weights(name, theirs, ours, "self_attn, cross_attn, mlp, ln1, ln2, ln3")
         theirs.double().eval()
         x = torch.randn(2, 5, cfg.d_model, dtype=torch.float64)
         memory = torch.randn(2, 4, cfg.d_model, dtype=torch.float64)

@@ -23,6 +23,7 @@ from transformer_course.checks import (
     expect_close,
     expect_hooks,
     expect_same_in_train_mode,
+    load_reference_weights,
     passed,
 )
 from transformer_course.gpt2 import GPT2, GPT2Config, lm_loss, top_p_filter, train_step
@@ -275,11 +276,7 @@ def check_transformer_block(cls: type) -> None:
             for param in reference.parameters():
                 param.add_(0.3 * torch.randn(param.shape, generator=generator, dtype=torch.float64))
         block = _build(f"{name}(norm={norm!r})", cls, 16, 4, 4, 32, norm=norm).double()
-        try:
-            block.load_state_dict(reference.state_dict())
-        except Exception as exc:
-            raise CheckFailure(f"`{name}`: the reference weights do not load ({exc}).\nHint: keep the "
-                               "attribute names of __init__: ln1, attn, ln2, mlp.") from None
+        load_reference_weights(name, block, reference, "ln1, attn, ln2, mlp")
         block.eval()
         for mask, label in ((None, "no mask"), (padding, "a padding mask")):
             where = f"{name}(norm={norm!r}), {label}"
@@ -324,11 +321,7 @@ def check_gpt2_forward(GPT2Class: type) -> None:
     name = "GPT2"
     reference = _reference_model()
     model = _build(name, GPT2Class, CFG)
-    try:
-        model.load_state_dict(reference.state_dict())
-    except Exception as exc:
-        raise CheckFailure(f"`{name}`: the reference weights do not load ({exc}).\nHint: keep the attribute names "
-                           "embed, pos_embed, blocks, ln_final, unembed.") from None
+    load_reference_weights(name, model, reference, "embed, pos_embed, blocks, ln_final, unembed")
     model.eval()
     tokens = _tokens(batch=2, pos=9)
     out = call(f"{name}.forward", model, tokens)
