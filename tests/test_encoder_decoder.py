@@ -337,3 +337,16 @@ def test_translate_refuses_bad_settings_instead_of_guessing():
     with pytest.raises(ValueError, match=r"tgt_tokenizer: .* missing \['<s>', '</s>'\]"):
         translate(model, ["hello"], tokenizer, plain)
     assert len(translate(model, ["hello", "hola"], tokenizer, max_len=3)) == 2
+
+
+def test_decoding_refuses_logits_that_are_not_finite():
+    """A model with NaN weights must not decode to a row of token 0."""
+    model = EncoderDecoderTransformer(
+        Seq2SeqConfig(src_vocab=12, tgt_vocab=12, d_model=16, n_heads=2, n_layers=1, d_ff=16, dropout=0.0)
+    )
+    with torch.no_grad():
+        model.b_U.fill_(float("nan"))
+    src = torch.tensor([[3, 4, 5]])
+    for decode in (greedy_decode, beam_search):
+        with pytest.raises(FloatingPointError, match="logits are not finite"):
+            decode(model, src, bos_id=1, eos_id=2, max_len=5)

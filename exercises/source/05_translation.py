@@ -39,7 +39,13 @@ from transformer_course.checks.encoder_decoder import (
     check_positional_encoding,
     check_token_embedding,
 )
-from transformer_course.encoder_decoder import TOKEN_DTYPES, Seq2SeqConfig, _check_decode_args, pad_batch
+from transformer_course.encoder_decoder import (
+    TOKEN_DTYPES,
+    Seq2SeqConfig,
+    _check_decode_args,
+    next_token_logits,
+    pad_batch,
+)
 from transformer_course.layernorm import LayerNorm
 from transformer_course.masking import causal_mask, padding_mask
 from transformer_course.runtime import describe, pick, seed_everything
@@ -201,7 +207,8 @@ check_inverse_sqrt_lr(inverse_sqrt_lr)
 
 # %% [exercise] transformer_course.encoder_decoder:greedy_decode difficulty=3 importance=5 minutes=25
 # hint: Encode once; start every row with `bos_id`; each step decodes everything generated so far
-#   and appends the most likely next token of the last position.
+#   and appends the most likely next token of the last position (`next_token_logits` gives
+#   those logits and refuses NaN).
 # hint: Rows finish at different steps: remember which rows have produced `eos_id` (keep padding
 #   them) and stop when all have, or after `max_len` new tokens.
 # hint: Return one list per row: the generated ids without `bos_id`, cut before the first `eos_id`.

@@ -307,6 +307,20 @@ def _check_decode_args(
 
 
 @torch.no_grad()
+def next_token_logits(
+    model: EncoderDecoderTransformer,
+    tgt: Int[Tensor, "batch tgt_pos"],
+    memory: Float[Tensor, "batch src_pos d_model"],
+    src_mask: Bool[Tensor, "batch 1 1 src_pos"],
+) -> Float[Tensor, "batch tgt_vocab"]:
+    """The decoder's logits for the token after `tgt`. NaN or inf (broken weights) is an error:
+    argmax would silently read a row of NaN as token 0."""
+    logits = model.decode(tgt, memory, src_mask)[:, -1]
+    if not logits.isfinite().all():
+        raise FloatingPointError("model: the decoder's logits are not finite; check its weights and the input")
+    return logits
+
+
 def greedy_decode(
     model: EncoderDecoderTransformer, src: Int[Tensor, "batch src_pos"], *, bos_id: int, eos_id: int, max_len: int
 ) -> list[list[int]]:
@@ -321,7 +335,7 @@ def greedy_decode(
     ys = torch.full((src.shape[0], 1), bos_id, dtype=torch.long, device=src.device)
     finished = torch.zeros(src.shape[0], dtype=torch.bool, device=src.device)
     for _ in range(max_len):
-        next_token = model.decode(ys, memory, src_mask)[:, -1].argmax(dim=-1)
+        next_token = next_token_logits(model, ys, memory, src_mask).argmax(dim=-1)
         next_token = next_token.masked_fill(finished, model.cfg.pad_id)
         ys = torch.cat([ys, next_token[:, None]], dim=1)
         finished |= next_token == eos_id
@@ -365,7 +379,7 @@ def beam_search(
         finished: list[tuple[float, list[int]]] = []
         for step in range(max_len):
             n = beams.shape[0]
-            log_probs = model.decode(beams, memory.expand(n, -1, -1), src_mask.expand(n, -1, -1, -1))[:, -1]
+            log_probs = next_token_logits(model, beams, memory.expand(n, -1, -1), src_mask.expand(n, -1, -1, -1))
             candidates = (scores[:, None] + log_probs.float().log_softmax(dim=-1)).flatten()
             top_scores, top_ids = candidates.topk(min(2 * beam_size, candidates.numel()))
             vocab = log_probs.shape[-1]
