@@ -279,7 +279,7 @@ def schedule(step):
 
 
 config = TrainConfig(
-    max_steps=pick(quick=1200, full=setup.max_steps), lr=setup.lr, lr_schedule=schedule,
+    max_steps=pick(quick=1000, full=setup.max_steps), lr=setup.lr, lr_schedule=schedule,
     betas=(0.9, 0.98), grad_clip=1.0, log_every=200, seed=setup.seed,
 )
 history = train(model, config, LengthBatches(tokenizer, splits["train"], setup.batch_size), loss_fn)

@@ -252,11 +252,11 @@ config = GPT2Config(d_model=128, n_layers=4, n_heads=4, d_vocab=chars.vocab_size
 model = GPT2(config).use_fast_path()
 optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.99))
 batches = torch.Generator().manual_seed(1)
-steps, losses = pick(quick=1500, full=5000), []
+steps, losses = pick(quick=1200, full=5000), []
 for step in range(steps):
     tokens, targets = sample_batch(train_data, 12, 64, generator=batches)
     losses.append(train_step(model, optimizer, tokens, targets))
-    if (step + 1) % 500 == 0:
+    if (step + 1) % 400 == 0:
         val = estimate_loss(model, val_data, batch_size=12, block_size=64, n_batches=50,
                             generator=torch.Generator().manual_seed(2))
         print(f"step {step + 1}: train loss {sum(losses[-100:]) / 100:.3f}, val loss {val:.3f}")
