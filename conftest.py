@@ -21,6 +21,7 @@ ROOT = Path(__file__).resolve().parent
 BOOK_DIR = ROOT / "book"
 BUILD_DIR = ROOT / "_build"
 EXECUTION_CACHE = BUILD_DIR / ".jupyter_cache"
+BOOK_TESTS = {"test_book_build.py", "test_book_html.py"}  # tests that use the built book
 
 _code_cells: dict[Path, int] = {}  # book page -> number of code cells nbval collected
 _executed: dict[Path, dict[int, list]] = {}  # book page -> code cell number -> fresh outputs
@@ -28,6 +29,34 @@ _executed: dict[Path, dict[int, list]] = {}  # book page -> code cell number -> 
 
 def _is_book_cell(item) -> bool:
     return Path(str(item.fspath)).parent == BOOK_DIR and hasattr(item, "cell_num")
+
+
+def pytest_configure(config):
+    """Under pytest-xdist (`-n N`), share the cores: each worker, and each notebook kernel it
+    starts, gets cores / N threads. Small models gain little from a second thread, so two
+    workers with one thread each finish the suite sooner than one worker with two."""
+    workers = os.environ.get("PYTEST_XDIST_WORKER_COUNT")
+    if workers:
+        threads = str(max(1, (os.cpu_count() or 1) // int(workers)))
+        for name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+            os.environ[name] = threads
+        if "torch" in sys.modules:  # already imported: the variables came too late for it
+            sys.modules["torch"].set_num_threads(int(threads))
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """Under `pytest -n N`, hand out whole files, and keep the book pages and the book build that
+    reuses their outputs on one worker, in order."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class BookTogether(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = nodeid.split("::", 1)[0]
+            is_book = path.startswith(f"{BOOK_DIR.name}/") or Path(path).name in BOOK_TESTS
+            return "book" if is_book else path
+
+    return BookTogether(config, log)
 
 
 def pytest_collection_modifyitems(session, config, items):

@@ -3,7 +3,7 @@
 Compares, on the same weights and a causal mask:
 
 * `einsum`     `MultiHeadAttention` on its default path, which materialises the pattern;
-* `fast`       `MultiHeadAttention(use_fast_path=True)`, through `F.scaled_dot_product_attention`;
+* `fast`       `MultiHeadAttention(fast_path=True)`, through `F.scaled_dot_product_attention`;
 * `sdpa`       a minimal layer: fused input projection, `F.scaled_dot_product_attention`, output
                projection, on PyTorch's default kernel;
 * `sdpa_math`  the same layer forced onto SDPA's math backend (which, like `einsum`, builds the
@@ -75,7 +75,7 @@ class SDPALayer(nn.Module):
 
 def implementations(cfg: dict, device: torch.device) -> tuple[dict[str, Callable[[Tensor], Tensor]], Tensor]:
     mha = MultiHeadAttention(cfg["d_model"], cfg["n_heads"]).to(device)
-    fast = MultiHeadAttention(cfg["d_model"], cfg["n_heads"], use_fast_path=True).to(device)
+    fast = MultiHeadAttention(cfg["d_model"], cfg["n_heads"], fast_path=True).to(device)
     fast.load_state_dict(mha.state_dict())
     sdpa, sdpa_math = SDPALayer(mha).to(device), SDPALayer(mha, SDPBackend.MATH).to(device)
     torch_mha = nn.MultiheadAttention(cfg["d_model"], cfg["n_heads"], batch_first=True).to(device)

@@ -32,6 +32,7 @@ import torch
 from transformers import GPT2Config as HFGPT2Config
 from transformers import GPT2LMHeadModel
 
+from transformer_course.attention import set_fast_path
 from transformer_course.gpt2 import GPT2, lm_loss
 from transformer_course.runtime import get_device
 
@@ -92,7 +93,7 @@ def main() -> None:
     )
     torch.manual_seed(0)
     hf = GPT2LMHeadModel(hf_config).to(device).train()
-    ours = GPT2.from_huggingface(hf).use_fast_path().to(device).train()
+    ours = set_fast_path(GPT2.from_huggingface(hf)).to(device).train()
     if args.compile:
         hf.compile()
         ours.compile()

@@ -38,6 +38,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from transformer_course.attention import set_fast_path
 from transformer_course.gpt2 import GPT2, GPT2Config, estimate_loss, generate, lm_loss, sample_batch
 from transformer_course.runtime import get_device, seed_everything
 from transformer_course.tokenization import GPT2_SPLIT_PATTERN, BPETokenizer, CharTokenizer
@@ -161,7 +162,7 @@ def main(argv: list[str] | None = None) -> dict:
     val_data = torch.tensor(tokenizer.encode(text[split:]), dtype=torch.long)
 
     cfg = model_config(args, d_vocab=tokenizer.vocab_size)
-    model = GPT2(cfg).to(device).use_fast_path()
+    model = set_fast_path(GPT2(cfg).to(device))
     if args.compile:
         model.compile()  # in place: parameter names and checkpoints stay the same
     train_cfg = train_config(args, progress=rank == 0)

@@ -207,7 +207,7 @@ def _torch_mha(mine):
 
 @pytest.mark.parametrize("fast", [False, True])
 def test_mha_matches_torch_multihead_attention_with_key_padding(fast):
-    mine = _randomise(MultiHeadAttention(24, 4, use_fast_path=fast).double(), seed=2)
+    mine = _randomise(MultiHeadAttention(24, 4, fast_path=fast).double(), seed=2)
     ref = _torch_mha(mine)
     x = torch.randn(3, 5, 24, dtype=torch.float64)
     context = torch.randn(3, 8, 24, dtype=torch.float64)
@@ -239,7 +239,7 @@ def test_fast_path_equals_einsum_path(mask_kind):
         mask[:, :, 2] = False
     results = []
     for fast in (False, True):
-        mine.use_fast_path = fast
+        mine.fast_path = fast
         mine.zero_grad()
         inp = x.clone().requires_grad_()
         out = mine(inp, context, mask)
@@ -261,7 +261,7 @@ def test_mha_low_precision_is_close(dtype, rel, fast):
     mask = combine_masks(causal_mask(10), padding_mask(torch.tensor([[0] * 3 + [1] * 7, [1] * 10]), 0))
     expected = mine(x, mask=mask)
     low = copy.deepcopy(mine).to(dtype)
-    low.use_fast_path = fast
+    low.fast_path = fast
     actual = low(x.to(dtype), mask=mask)
     assert actual.dtype == dtype and torch.isfinite(actual).all()
     scale = expected.abs().max().item()
@@ -396,7 +396,7 @@ def test_nan_value_at_a_padded_key_does_not_leak():
     bad_context = context.clone()
     bad_context[0, 3] = math.nan  # NaN inputs at a padding position give NaN values there
     for fast in (False, True):
-        mha.use_fast_path = fast
+        mha.fast_path = fast
         expected = mha(q, context, mask=mask[:, None])
         actual = mha(q, bad_context, mask=mask[:, None])
         torch.testing.assert_close(actual, expected, atol=1e-12, rtol=0)

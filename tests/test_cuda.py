@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from transformer_course.attention import MultiHeadAttention, scaled_dot_product_attention
+from transformer_course.attention import MultiHeadAttention, scaled_dot_product_attention, set_fast_path
 from transformer_course.encoder_decoder import EncoderDecoderTransformer
 from transformer_course.gpt2 import GPT2, GPT2Config, lm_loss
 from transformer_course.layernorm import LayerNorm, RMSNorm
@@ -131,7 +131,7 @@ def test_multi_head_attention_fast_causal_path_matches_the_masked_reference(devi
     mha.to(device)
     x_dev, keep_dev = to(device, x, keep)
     for fast in (False, True):
-        mha.use_fast_path = fast
+        mha.fast_path = fast
         causal_only = run_on(device, precision, lambda: mha(x_dev, causal=True))
         assert_matches(causal_only, causal, precision)
         padded = run_on(device, precision, lambda: mha(x_dev, mask=keep_dev, causal=True))
@@ -149,7 +149,7 @@ def test_fast_causal_path_runs_on_the_flash_kernel(device):
     """With only the flash backend allowed, SDPA raises unless it can use it (on CUDA a
     materialised mask rules it out). On CUDA flash needs half precision: bf16 autocast there."""
     torch.manual_seed(3)
-    mha = MultiHeadAttention(64, 4, use_fast_path=True)
+    mha = MultiHeadAttention(64, 4, fast_path=True)
     x = torch.randn(2, 32, 64)
     with torch.no_grad():
         expected = reference_self_attention(mha, x, causal_mask(32))
@@ -165,7 +165,7 @@ def test_fast_causal_path_runs_on_the_flash_kernel(device):
 @pytest.mark.parametrize("device", DEVICES)
 def test_gpt2_matches_hugging_face(device, precision, fast):
     reference = hf_model()
-    ours = GPT2.from_huggingface(reference).eval().use_fast_path(fast).to(device)
+    ours = set_fast_path(GPT2.from_huggingface(reference).eval(), fast).to(device)
     shape = (3, TINY["n_positions"])
     tokens = torch.randint(0, TINY["vocab_size"], shape, generator=torch.Generator().manual_seed(4))
     with torch.no_grad():
@@ -185,7 +185,7 @@ def test_encoder_decoder_matches_torch_transformer(device, precision, fast):
     src, tgt = batch_with_padding()
     with torch.no_grad():
         expected = reference_logits(ours, theirs, src, tgt)
-    ours.set_fast_attention(fast)
+    set_fast_path(ours, fast)
     actual = run_on(device, precision, ours.to(device), *to(device, src, tgt))
     assert_matches(actual, expected, precision)
 
@@ -193,7 +193,7 @@ def test_encoder_decoder_matches_torch_transformer(device, precision, fast):
 def tiny_training_run(device: str, *, compiled: bool, **settings):
     torch.manual_seed(6)
     cfg = GPT2Config(d_model=32, n_layers=1, n_heads=4, d_vocab=61, n_ctx=16)
-    model = GPT2(cfg).use_fast_path().to(device)
+    model = set_fast_path(GPT2(cfg)).to(device)
     if compiled:
         # Inductor on the GPU; on the CPU aot_eager traces the same graphs without compiling C++.
         model.compile(backend="inductor" if device == "cuda" else "aot_eager", fullgraph=True)

@@ -13,6 +13,7 @@ from transformer_lens import HookedTransformer, HookedTransformerConfig
 from transformers import GPT2Config as HFGPT2Config
 from transformers import GPT2LMHeadModel
 
+from transformer_course.attention import set_fast_path
 from transformer_course.gpt2 import (
     GPT2,
     Embed,
@@ -346,14 +347,14 @@ def test_fast_path_matches_the_einsum_path():
     tokens = torch.randint(0, 61, (2, 16), generator=torch.Generator().manual_seed(11))
     with torch.no_grad():
         slow = model(tokens)
-        fast = model.use_fast_path()(tokens)
-    assert all(block.attn.use_fast_path for block in model.blocks)
+        fast = set_fast_path(model)(tokens)
+    assert all(block.attn.fast_path for block in model.blocks)
     torch.testing.assert_close(fast, slow, atol=1e-10, rtol=0)
 
 
 def test_torch_compile_traces_forward_and_backward():
     """Dynamo traces the model (the aot_eager backend skips C++ code generation, keeping this fast)."""
-    model = tiny_gpt2().use_fast_path()
+    model = set_fast_path(tiny_gpt2())
     tokens = torch.randint(0, 61, (2, 16), generator=torch.Generator().manual_seed(12))
     compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
     torch.testing.assert_close(compiled(tokens), model(tokens), atol=1e-5, rtol=0)

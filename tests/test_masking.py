@@ -160,7 +160,7 @@ def test_property_causality(seq, cut, batch, fast, seed):
     """Changing tokens after position `cut` never changes outputs at positions before it."""
     cut = min(cut, seq - 1)
     mha = _module(seed=seed)
-    mha.use_fast_path = fast
+    mha.fast_path = fast
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(batch, seq, 8, generator=g, dtype=torch.float64)
     y = x.clone()
@@ -179,7 +179,7 @@ def test_property_causality(seq, cut, batch, fast, seed):
 def test_property_padding_invariance(q_len, k_len, extra, fast, seed):
     """Appending any number of padding keys (with any content) never changes the output."""
     mha = _module(seed=seed)
-    mha.use_fast_path = fast
+    mha.fast_path = fast
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(2, q_len, 8, generator=g, dtype=torch.float64)
     context = torch.randn(2, k_len, 8, generator=g, dtype=torch.float64)
@@ -201,7 +201,7 @@ def test_property_padding_invariance(q_len, k_len, extra, fast, seed):
 def test_property_no_nan_for_fully_masked_rows(q_len, k_len, fast, dtype, seed):
     """Random masks, some rows with no allowed key: those rows give exactly b_O, grads stay finite."""
     mha = _module(seed=seed).to(dtype)
-    mha.use_fast_path = fast
+    mha.fast_path = fast
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(2, q_len, 8, generator=g).to(dtype).requires_grad_()
     context = torch.randn(2, k_len, 8, generator=g).to(dtype).requires_grad_()

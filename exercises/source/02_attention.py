@@ -105,7 +105,7 @@ print("same as F.scaled_dot_product_attention:", torch.allclose(out, F.scaled_do
 #   pattern through `hook_pattern`; pass `z = pattern @ v`, back in
 #   `(batch, q_pos, head, d_head)`, through `hook_z`. Finally project
 #   every head back with `W_O` and sum over heads (one einsum), and add `b_O`. When
-#   `self.use_fast_path` is set, replace the scores-pattern-z steps with one call to
+#   `self.fast_path` is set, replace the scores-pattern-z steps with one call to
 #   `F.scaled_dot_product_attention(q, k, v, attn_mask=mask)`.
 #
 # The check compares every hook point with the reference, so when something is off it tells
@@ -141,5 +141,5 @@ print(cache["hook_pattern"][0, 0].round(decimals=2))
 #   the same result as the per-head einsum. Check it with
 #   `einops.rearrange(W_O, "head d_head d_model -> (head d_head) d_model")`; what goes wrong
 #   with `"(d_head head)"`?
-# - Time the two paths (`use_fast_path=False` and `True`) on a `(8, 256, 512)` input with
+# - Time the two paths (`fast_path=False` and `True`) on a `(8, 256, 512)` input with
 #   `%timeit`. Where does the difference come from?

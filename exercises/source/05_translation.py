@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from jaxtyping import Bool, Float, Int
 from torch import Tensor, nn
 
-from transformer_course.attention import MultiHeadAttention
+from transformer_course.attention import MultiHeadAttention, set_fast_path
 from transformer_course.blocks import MLP
 from transformer_course.checks.encoder_decoder import (
     check_beam_search,
@@ -265,7 +265,7 @@ tokenizer = train_tokenizer(splits["train"], setup.vocab_size)
 pad, bos, eos = (tokenizer.special_tokens[t] for t in (PAD, BOS, EOS))
 seed_everything(0)
 model = EncoderDecoderTransformer(model_config(setup, tokenizer))  # your class, your parts
-model.set_fast_attention(True)  # PyTorch's fused attention kernel: faster training
+set_fast_path(model, True)  # PyTorch's fused attention kernel: faster training
 
 
 def loss_fn(model, batch):
@@ -283,7 +283,7 @@ config = TrainConfig(
     betas=(0.9, 0.98), grad_clip=1.0, log_every=200, seed=setup.seed,
 )
 history = train(model, config, LengthBatches(tokenizer, splits["train"], setup.batch_size), loss_fn)
-model.set_fast_attention(False)
+set_fast_path(model, False)
 
 # %% [markdown]
 # Translate sentences the model has never seen, with your greedy decoding and your beam search,

@@ -30,7 +30,7 @@ from jaxtyping import Bool
 from transformers import GPT2Config as HFGPT2Config
 from transformers import GPT2LMHeadModel
 
-from transformer_course.attention import MultiHeadAttention
+from transformer_course.attention import MultiHeadAttention, set_fast_path
 from transformer_course.blocks import ACTIVATIONS
 from transformer_course.checks.gpt2 import (
     check_against_huggingface,
@@ -249,7 +249,7 @@ train_data, val_data = data[:split], data[split:]
 
 seed_everything(0)
 config = GPT2Config(d_model=128, n_layers=4, n_heads=4, d_vocab=chars.vocab_size, n_ctx=64)
-model = GPT2(config).use_fast_path()
+model = set_fast_path(GPT2(config))
 optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.99))
 batches = torch.Generator().manual_seed(1)
 steps, losses = pick(quick=1200, full=5000), []

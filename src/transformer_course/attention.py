@@ -136,7 +136,7 @@ class MultiHeadAttention(HookedRootModule):
 
     Two paths compute the same thing. The default materialises the attention pattern with
     einsums, so `hook_attn_scores` and `hook_pattern` can be inspected. Set
-    `use_fast_path=True` (in the constructor, or later as an attribute) to call
+    `fast_path=True` (in the constructor, for a whole model with `set_fast_path`) to call
     `torch.nn.functional.scaled_dot_product_attention` instead: faster and lighter on memory
     for training, but the pattern hooks are not run.
     """
@@ -148,7 +148,7 @@ class MultiHeadAttention(HookedRootModule):
         d_head: int | None = None,
         bias: bool = True,
         *,
-        use_fast_path: bool = False,
+        fast_path: bool = False,
     ) -> None:
         super().__init__()
         for name, value in (("d_model", d_model), ("n_heads", n_heads)):
@@ -163,7 +163,7 @@ class MultiHeadAttention(HookedRootModule):
         elif isinstance(d_head, bool) or not isinstance(d_head, int) or d_head < 1:
             raise ValueError(f"d_head: expected a positive int or None, got {d_head!r}")
         self.d_model, self.n_heads, self.d_head = d_model, n_heads, d_head
-        self.use_fast_path = use_fast_path
+        self.fast_path = fast_path
 
         self.W_Q = nn.Parameter(torch.empty(n_heads, d_model, d_head))
         self.W_K = nn.Parameter(torch.empty(n_heads, d_model, d_head))
@@ -233,12 +233,12 @@ class MultiHeadAttention(HookedRootModule):
         # Heads become a batch dimension: (batch, head, pos, d_head).
         q, k, v = (einops.rearrange(t, "batch pos head d_head -> batch head pos d_head") for t in (q, k, v))
         validate_qkv(q, k, v, mask)
-        if causal and (mask is not None or not self.use_fast_path or q.shape[-2] != k.shape[-2]):
+        if causal and (mask is not None or not self.fast_path or q.shape[-2] != k.shape[-2]):
             allowed = causal_mask(q.shape[-2], k.shape[-2], device=q.device)
             mask, causal = (allowed if mask is None else allowed & mask), False
         v = zero_unseen(v, mask)
 
-        if self.use_fast_path:
+        if self.fast_path:
             # The fused kernel adds -inf to masked scores, and NaN + -inf is NaN: zero k as well.
             k = zero_unseen(k, mask)
             z = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal)
@@ -258,3 +258,13 @@ class MultiHeadAttention(HookedRootModule):
         # as projecting each head with its own W_O[head] and summing over heads.
         out = einops.einsum(z, self.W_O, "batch q_pos head d_head, head d_head d_model -> batch q_pos d_model")
         return out if self.b_O is None else out + self.b_O
+
+
+def set_fast_path(model: nn.Module, enabled: bool = True) -> nn.Module:
+    """Switch every `MultiHeadAttention` in `model` to PyTorch's fused attention (`enabled=True`:
+    faster and lighter on memory for training and sampling, pattern hooks not run) or back to
+    the einsum path whose patterns can be inspected. Returns `model`."""
+    for module in model.modules():
+        if isinstance(module, MultiHeadAttention):
+            module.fast_path = enabled
+    return model

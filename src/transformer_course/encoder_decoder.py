@@ -199,12 +199,6 @@ class EncoderDecoderTransformer(nn.Module):
             self.W_U = nn.Parameter(torch.randn(cfg.d_model, cfg.tgt_vocab) * cfg.d_model**-0.5)
         self.b_U = nn.Parameter(torch.zeros(cfg.tgt_vocab))
 
-    def set_fast_attention(self, enabled: bool = True) -> None:
-        """Use PyTorch's fused attention kernel (for training); off, attention patterns are observable."""
-        for module in self.modules():
-            if isinstance(module, MultiHeadAttention):
-                module.use_fast_path = enabled
-
     def _check_tokens(self, name: str, tokens: Any, vocab: int) -> None:
         if not isinstance(tokens, Tensor) or tokens.ndim != 2 or tokens.dtype not in TOKEN_DTYPES:
             got = f"{tokens.dtype} tensor of shape {tuple(tokens.shape)}" if isinstance(tokens, Tensor) else type(tokens).__name__

@@ -242,13 +242,6 @@ class GPT2(HookedRootModule):
             residual = block(residual)
         return self.unembed(self.ln_final(residual))
 
-    def use_fast_path(self, enabled: bool = True) -> GPT2:
-        """Switch every attention layer to PyTorch's fused `scaled_dot_product_attention` (faster
-        and lighter on memory for training and sampling; the pattern hooks are then not run)."""
-        for block in self.blocks:
-            block.attn.use_fast_path = enabled
-        return self
-
     def num_params(self, *, non_embedding: bool = False) -> int:
         """Number of parameters (a tied `W_E` counts once); `non_embedding=True` leaves out `W_E`
         and `W_pos` (the usual count for scaling laws)."""

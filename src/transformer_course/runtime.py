@@ -1,4 +1,4 @@
-"""Profiles, devices and seeding: the few knobs every notebook and script shares.
+"""Profiles, devices, seeding and evaluation mode: the few knobs every notebook and script shares.
 
 `COURSE_PROFILE=quick|full` picks model and data sizes. The default is `full` on CUDA and
 `quick` elsewhere, so CPU runs (and CI) stay fast while a GPU gives the real results.
@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import os
 import random
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import TypeVar
 
 import numpy as np
@@ -46,6 +48,19 @@ def seed_everything(seed: int = 0) -> None:
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
+
+
+@contextmanager
+def evaluating(model: torch.nn.Module) -> Iterator[torch.nn.Module]:
+    """Evaluation mode and no gradients inside the block; the model's own mode comes back after,
+    even on an error: `with evaluating(model): loss = ...`."""
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            yield model
+    finally:
+        model.train(was_training)
 
 
 def describe() -> str:

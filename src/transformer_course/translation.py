@@ -41,6 +41,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from transformer_course.attention import set_fast_path
 from transformer_course.data import load_translation_pairs
 from transformer_course.encoder_decoder import (
     BOS,
@@ -349,7 +350,7 @@ def run_translation(
         os.replace(partial, tokenizer_path)
     torch.manual_seed(setup.seed)
     model = EncoderDecoderTransformer(model_config(setup, tokenizer)).to(device)
-    model.set_fast_attention(True)
+    set_fast_path(model, True)
     sizes = dict(device=device, buckets=setup.length_buckets)
     pairs = splits["train"]
     train_batches = LengthBatches(tokenizer, pairs, setup.batch_size, seed=setup.seed, **sizes)
@@ -370,7 +371,7 @@ def run_translation(
     with sdpa_kernel(ATTENTION_BACKENDS):
         history = train(model, cfg, train_batches, loss, evaluate=evaluate, on_log=on_log)
     seconds = time.perf_counter() - started
-    model.set_fast_attention(False)
+    set_fast_path(model, False)
     model.eval()
     return TranslationRun(setup, model, tokenizer, splits, history, seconds)
 

@@ -164,9 +164,9 @@ def check_multi_head_attention(cls: type[torch.nn.Module]) -> None:
         _explain_output(where, actual, expected, ref_cache["hook_z"], reference)
         expect_close(actual, expected, where, "compare each step with the reference using run_with_cache.", atol=1e-8)
 
-    if hasattr(module, "use_fast_path"):
-        module.use_fast_path = True
-        where = f"{name} (use_fast_path=True)"
+    if hasattr(module, "fast_path"):
+        module.fast_path = True
+        where = f"{name} (fast_path=True)"
         actual = call(name, module, x, context, mask=padding_mask(tokens, 0))
         expected = reference(x, context, mask=padding_mask(tokens, 0))
         expect_close(actual, expected, where,

@@ -1,0 +1,113 @@
+"""Input validation for every public function: each raises an error that names the argument, what
+was expected and what came. (The exercise checkers, which grade a learner's code, are in `checks`.)
+
+Call them as `validate.positive_int("n_heads", n_heads)`; each returns the value it accepted.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Collection
+from numbers import Integral, Real
+from typing import Any, TypeVar
+
+import torch
+from torch import Tensor
+
+T = TypeVar("T")
+
+
+def integer(name: str, value: Any, *, low: int | None = None, high: int | None = None) -> int:
+    """An int (not a bool) in [low, high]; NumPy integers are accepted and returned as int."""
+    in_range = isinstance(value, Integral) and (low is None or value >= low)
+    in_range = in_range and (high is None or value <= high)
+    if isinstance(value, bool) or not in_range:
+        bounds = [f">= {low}" if low is not None else "", f"<= {high}" if high is not None else ""]
+        wanted = " and ".join(b for b in bounds if b)
+        raise ValueError(f"{name}: expected an int{' ' + wanted if wanted else ''}, got {value!r}")
+    return int(value)
+
+
+def positive_int(name: str, value: Any) -> int:
+    """An int >= 1: a size, a length, a count of steps."""
+    return integer(name, value, low=1)
+
+
+def number(name: str, value: Any, *, low: float = -math.inf, high: float = math.inf,
+           low_open: bool = False) -> float:
+    """A finite real number (not a bool) in [low, high], or (low, high] with `low_open`."""
+    ok = isinstance(value, Real) and not isinstance(value, bool) and math.isfinite(value)
+    ok = ok and (value > low if low_open else value >= low) and value <= high
+    if not ok:
+        bounds = []
+        if low > -math.inf:
+            bounds.append(f"{'>' if low_open else '>='} {low:g}")
+        if high < math.inf:
+            bounds.append(f"<= {high:g}")
+        wanted = " and ".join(["a finite number", *bounds])
+        raise ValueError(f"{name}: expected {wanted}, got {value!r}")
+    return float(value)
+
+
+def probability(name: str, value: Any) -> float:
+    """A dropout-style probability in [0, 1)."""
+    ok = isinstance(value, Real) and not isinstance(value, bool) and 0 <= value < 1
+    if not ok:
+        raise ValueError(f"{name}: expected a probability in [0, 1), got {value!r}")
+    return float(value)
+
+
+def flag(name: str, value: Any) -> bool:
+    """True or False, nothing that merely converts to one."""
+    if not isinstance(value, bool):
+        raise ValueError(f"{name}: expected True or False, got {value!r}")
+    return value
+
+
+def one_of(name: str, value: T, choices: Collection[T]) -> T:
+    if value not in choices:
+        raise ValueError(f"{name}: expected one of {sorted(choices)}, got {value!r}")
+    return value
+
+
+def token_id(name: str, value: Any, vocab: int) -> int:
+    """An int id in [0, vocab)."""
+    if isinstance(value, bool) or not isinstance(value, Integral) or not 0 <= value < vocab:
+        raise ValueError(f"{name}: expected an int id in [0, {vocab}), got {value!r}")
+    return int(value)
+
+
+def bool_mask(mask: Any, name: str = "mask") -> Tensor:
+    """A bool tensor, True = may attend (the convention of PyTorch's SDPA)."""
+    if not isinstance(mask, Tensor) or mask.dtype != torch.bool:
+        got = mask.dtype if isinstance(mask, Tensor) else type(mask).__name__
+        raise ValueError(f"{name}: expected a bool tensor (True = may attend), got {got}")
+    return mask
+
+
+def last_dim(x: Any, d_model: int, name: str = "x") -> Tensor:
+    """A floating-point tensor whose last dimension is `d_model`."""
+    if not isinstance(x, Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor, got {type(x).__name__}")
+    if x.ndim == 0 or x.shape[-1] != d_model:
+        got = x.shape[-1] if x.ndim else "none (a 0-d tensor)"
+        raise ValueError(f"{name}: expected last dim d_model={d_model}, got {got} (shape {tuple(x.shape)})")
+    if not x.is_floating_point():
+        raise TypeError(f"{name}: expected a floating-point tensor, got dtype {x.dtype}")
+    return x
+
+
+def norm_args(d_model: Any, eps: Any) -> None:
+    """A norm's constructor arguments: an int `d_model` >= 1, an `eps` > 0.
+
+    With `eps=0` a constant vector has variance 0 and gives 0 / 0 = NaN, and so does an `eps` too
+    small for float32 (the dtype half-precision inputs are computed in), which rounds to 0.
+    """
+    if isinstance(d_model, bool) or not isinstance(d_model, int):
+        raise TypeError(f"d_model: expected an int, got {type(d_model).__name__} {d_model!r}")
+    positive_int("d_model", d_model)
+    if isinstance(eps, bool) or not isinstance(eps, Real):
+        raise TypeError(f"eps: expected a number, got {type(eps).__name__} {eps!r}")
+    smallest = torch.finfo(torch.float32).tiny
+    if not math.isfinite(eps) or eps < smallest:
+        raise ValueError(f"eps: expected a finite number >= {smallest:.3g}, got {eps}")
