@@ -21,7 +21,8 @@ from torch import Tensor
 
 from transformer_course.attention import MultiHeadAttention
 from transformer_course.checks.masking import check_causal_mask, check_masked_softmax, check_padding_mask
-from transformer_course.masking import check_length, check_mask, combine_masks, fill_masked, upcast
+from transformer_course import validate
+from transformer_course.masking import combine_masks, fill_masked, upcast
 from transformer_course.runtime import describe, seed_everything
 
 seed_everything(0)
@@ -34,7 +35,7 @@ print(describe())
 # `k_len == q_len` that is the lower triangle, diagonal included (a token sees itself). With
 # `k_len > q_len` the queries are the **last** `q_len` positions of the sequence: the keys of
 # the earlier positions come from a cache, and the last query sees every key.
-# `check_length` (given) rejects lengths that are not positive ints.
+# `validate.positive_int` (given) rejects lengths that are not positive ints.
 
 # %% [exercise] transformer_course.masking:causal_mask difficulty=2 importance=5 minutes=10
 # hint: With as many keys as queries the mask is the lower triangle, diagonal included. With more

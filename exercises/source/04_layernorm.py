@@ -19,7 +19,7 @@ from torch import Tensor, nn
 from transformer_lens.hook_points import HookPoint
 
 from transformer_course.checks.layernorm import check_layernorm, check_rmsnorm
-from transformer_course.layernorm import check_last_dim, check_norm_args
+from transformer_course import validate
 from transformer_course.masking import upcast
 from transformer_course.runtime import describe, seed_everything
 
@@ -37,7 +37,7 @@ print(describe())
 # Note the $\frac{1}{d}$ in the variance (not $\frac{1}{d-1}$) and where $\epsilon$ sits. Keep the
 # two hook points: pass the standard deviation through `self.hook_scale` and the normalised
 # vector (before `w` and `b`) through `self.hook_normalized`. Start with
-# `check_last_dim(x, self.d_model)`, which raises a clear error for an input of the wrong size.
+# `validate.last_dim(x, self.d_model)`, which raises a clear error for an input of the wrong size.
 
 # %% [exercise] transformer_course.layernorm:LayerNorm blank=forward difficulty=2 importance=5 minutes=15
 # hint: Every statistic is over the last dimension only, with `keepdim=True` so it broadcasts back.

@@ -149,7 +149,7 @@ check_decoder_block(DecoderBlock)
 #   with `self.ln_dec`; the logits are `x @ W_U + b_U`, where `W_U` is `tgt_embed.W_E.T` when the
 #   embeddings are tied (`cfg.tie_embeddings`, as in the paper) and `self.W_U` otherwise.
 #
-# Check the token ids first (`self._check_tokens`, given), so a bad id gives a clear error.
+# Check the token ids first (`self._validate_tokens`, given), so a bad id gives a clear error.
 
 # %% [exercise] transformer_course.encoder_decoder:EncoderDecoderTransformer blank=encode,decode difficulty=3 importance=5 minutes=25
 # hint: `encode` is a loop over `self.encoder`, each block called as `block(x, mask)`.

@@ -44,8 +44,8 @@ from transformer_course.checks.gpt2 import (
     check_transformer_block,
     check_unembed,
 )
-from transformer_course.gpt2 import GPT2Config, TiedUnembed, check_tokens, lm_loss
-from transformer_course.layernorm import LayerNorm, check_last_dim
+from transformer_course.gpt2 import GPT2Config, TiedUnembed, lm_loss, validate_tokens
+from transformer_course.layernorm import LayerNorm
 from transformer_course.runtime import describe, seed_everything
 
 seed_everything(0)

@@ -30,7 +30,8 @@ from torch import Tensor, nn
 from transformer_lens.hook_points import HookPoint
 from transformer_lens.HookedRootModule import HookedRootModule
 
-from transformer_course.masking import causal_mask, check_mask, fill_masked, masked_softmax, upcast
+from transformer_course import validate
+from transformer_course.masking import causal_mask, fill_masked, masked_softmax, upcast
 
 __all__ = [
     "attention_scores",
@@ -69,7 +70,7 @@ def validate_qkv(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None) ->
         ) from None
     if mask is None:
         return
-    check_mask(mask)
+    validate.bool_mask(mask)
     scores_shape = (*batch, q.shape[-2], k.shape[-2])
     try:
         fits = torch.broadcast_shapes(mask.shape, scores_shape) == torch.Size(scores_shape)

@@ -18,8 +18,9 @@ from torch import Tensor, nn
 from transformer_lens.hook_points import HookPoint
 from transformer_lens.HookedRootModule import HookedRootModule
 
+from transformer_course import validate
 from transformer_course.attention import MultiHeadAttention
-from transformer_course.layernorm import LayerNorm, check_last_dim
+from transformer_course.layernorm import LayerNorm
 
 __all__ = ["ACTIVATIONS", "MLP", "TransformerBlock"]
 
@@ -55,7 +56,7 @@ class MLP(nn.Module):
         self.hook_post = HookPoint()  # [*batch, d_mlp]: after it (the "neurons")
 
     def forward(self, x: Float[Tensor, "*batch d_model"]) -> Float[Tensor, "*batch d_model"]:
-        check_last_dim(x, self.d_model)
+        validate.last_dim(x, self.d_model)
         pre = self.hook_pre(einops.einsum(x, self.W_in, "... d_model, d_model d_mlp -> ... d_mlp") + self.b_in)
         post = self.hook_post(ACTIVATIONS[self.act_fn](pre))
         return einops.einsum(post, self.W_out, "... d_mlp, d_mlp d_model -> ... d_model") + self.b_out
@@ -116,7 +117,7 @@ class TransformerBlock(HookedRootModule):
         if not isinstance(resid, Tensor) or resid.ndim != 3:
             got = f"shape {tuple(resid.shape)}" if isinstance(resid, Tensor) else type(resid).__name__
             raise ValueError(f"resid: expected shape (batch, pos, d_model={self.d_model}), got {got}")
-        check_last_dim(resid, self.d_model, name="resid")
+        validate.last_dim(resid, self.d_model, name="resid")
         if resid.shape[1] == 0:
             raise ValueError(f"resid: expected at least one position, got shape {tuple(resid.shape)}")
 

@@ -14,28 +14,22 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from numbers import Integral
 from typing import Any
 
 import torch
 from jaxtyping import Bool, Float, Int
 from torch import Tensor, nn
 
+from transformer_course import validate
 from transformer_course.attention import MultiHeadAttention
 from transformer_course.blocks import ACTIVATIONS, MLP
-from transformer_course.layernorm import LayerNorm, check_norm_args
+from transformer_course.layernorm import LayerNorm
 from transformer_course.masking import causal_mask, padding_mask
 
 # The special tokens a translation tokenizer carries.
 PAD, BOS, EOS, UNK = "<pad>", "<s>", "</s>", "<unk>"
 # Token tensors must be signed integers: indexing with uint8 or bool selects by mask instead.
 TOKEN_DTYPES = (torch.int8, torch.int16, torch.int32, torch.int64)
-
-
-def check_token_id(name: str, value: Any, vocab: int) -> None:
-    """Raise a ValueError naming `name` unless `value` is an integer id in [0, vocab)."""
-    if isinstance(value, bool) or not isinstance(value, Integral) or not 0 <= value < vocab:
-        raise ValueError(f"{name}: expected an int id in [0, {vocab}), got {value!r}")
 
 
 @dataclass
@@ -77,8 +71,8 @@ class Seq2SeqConfig:
             raise ValueError(f"norm: expected 'post' or 'pre', got {self.norm!r}")
         if self.act_fn not in ACTIVATIONS:
             raise ValueError(f"act_fn: expected one of {sorted(ACTIVATIONS)}, got {self.act_fn!r}")
-        check_norm_args(self.d_model, self.layer_norm_eps)
-        check_token_id("pad_id", self.pad_id, min(self.src_vocab, self.tgt_vocab))
+        validate.norm_args(self.d_model, self.layer_norm_eps)
+        validate.token_id("pad_id", self.pad_id, min(self.src_vocab, self.tgt_vocab))
         if self.share_embeddings and self.src_vocab != self.tgt_vocab:
             raise ValueError(
                 f"share_embeddings: needs src_vocab == tgt_vocab, got {self.src_vocab} and {self.tgt_vocab}"
@@ -199,7 +193,7 @@ class EncoderDecoderTransformer(nn.Module):
             self.W_U = nn.Parameter(torch.randn(cfg.d_model, cfg.tgt_vocab) * cfg.d_model**-0.5)
         self.b_U = nn.Parameter(torch.zeros(cfg.tgt_vocab))
 
-    def _check_tokens(self, name: str, tokens: Any, vocab: int) -> None:
+    def _validate_tokens(self, name: str, tokens: Any, vocab: int) -> None:
         if not isinstance(tokens, Tensor) or tokens.ndim != 2 or tokens.dtype not in TOKEN_DTYPES:
             got = f"{tokens.dtype} tensor of shape {tuple(tokens.shape)}" if isinstance(tokens, Tensor) else type(tokens).__name__
             raise ValueError(
@@ -224,7 +218,7 @@ class EncoderDecoderTransformer(nn.Module):
 
     def encode(self, src: Int[Tensor, "batch src_pos"]) -> Float[Tensor, "batch src_pos d_model"]:
         """The encoder's output (the "memory" the decoder attends to)."""
-        self._check_tokens("src", src, self.cfg.src_vocab)
+        self._validate_tokens("src", src, self.cfg.src_vocab)
         x = self.src_embed(src)
         mask = self.src_mask(src)
         for block in self.encoder:
@@ -238,7 +232,7 @@ class EncoderDecoderTransformer(nn.Module):
         src_mask: Bool[Tensor, "batch 1 1 src_pos"] | None,
     ) -> Float[Tensor, "batch tgt_pos tgt_vocab"]:
         """Logits for the token after each target position, given the encoder's memory."""
-        self._check_tokens("tgt", tgt, self.cfg.tgt_vocab)
+        self._validate_tokens("tgt", tgt, self.cfg.tgt_vocab)
         x = self.tgt_embed(tgt)
         tgt_mask = causal_mask(tgt.shape[1], device=tgt.device) & padding_mask(tgt, self.cfg.pad_id)
         for block in self.decoder:
@@ -293,11 +287,11 @@ def _check_decode_args(
 ) -> None:
     if isinstance(max_len, bool) or not isinstance(max_len, int) or not 1 <= max_len <= model.cfg.max_len:
         raise ValueError(f"max_len: expected an int in [1, {model.cfg.max_len}] (the model's max_len), got {max_len!r}")
-    model._check_tokens("src", src, model.cfg.src_vocab)
+    model._validate_tokens("src", src, model.cfg.src_vocab)
     # An eos_id the model cannot emit would let every row run on to max_len.
     for name, value in (("bos_id", bos_id), ("eos_id", eos_id)):
         if value is not None:
-            check_token_id(name, value, model.cfg.tgt_vocab)
+            validate.token_id(name, value, model.cfg.tgt_vocab)
 
 
 @torch.no_grad()

@@ -33,7 +33,7 @@ __all__ = [
     "Unembed",
     "TiedUnembed",
     "GPT2",
-    "check_tokens",
+    "validate_tokens",
     "generate",
     "lm_loss",
     "sample_batch",
@@ -152,7 +152,7 @@ class TiedUnembed(nn.Module):
 TOKEN_DTYPES = (torch.int64, torch.int32)
 
 
-def check_tokens(tokens: object, cfg: GPT2Config, *, any_length: bool = False) -> None:
+def validate_tokens(tokens: object, cfg: GPT2Config, *, any_length: bool = False) -> None:
     """Raise a clear error unless `tokens` is an integer `(batch, pos)` tensor the model can read
     (`any_length=True` allows more than `n_ctx` positions, for a caller that crops them)."""
     if not isinstance(tokens, Tensor):
@@ -233,7 +233,7 @@ class GPT2(HookedRootModule):
                 del state_dict[key]
 
     def forward(self, tokens: Int[Tensor, "batch pos"]) -> Float[Tensor, "batch pos d_vocab"]:
-        check_tokens(tokens, self.cfg)
+        validate_tokens(tokens, self.cfg)
         residual: Float[Tensor, "batch pos d_model"] = self.hook_embed(self.embed(tokens)) + self.hook_pos_embed(
             self.pos_embed(tokens)
         )
@@ -349,7 +349,7 @@ def generate(
         raise ValueError(f"top_k: expected None or a positive int, got {top_k!r}")
     if top_p is not None and not (isinstance(top_p, (int, float)) and 0 < top_p <= 1):
         raise ValueError(f"top_p: expected None or a number in (0, 1], got {top_p!r}")
-    check_tokens(tokens, model.cfg, any_length=True)
+    validate_tokens(tokens, model.cfg, any_length=True)
     if tokens.shape[1] == 0:
         raise ValueError(f"tokens: expected at least one token per row to continue from, got shape {tuple(tokens.shape)}")
     was_training = model.training

@@ -20,10 +20,10 @@ import torch
 from jaxtyping import Bool, Float, Int
 from torch import Tensor
 
+from transformer_course import validate
+
 __all__ = [
     "upcast",
-    "check_mask",
-    "check_length",
     "causal_mask",
     "padding_mask",
     "combine_masks",
@@ -40,20 +40,6 @@ def upcast(t: Tensor) -> Tensor:
     return t.to(torch.promote_types(t.dtype, torch.float32))
 
 
-def check_mask(mask: object, name: str = "mask") -> None:
-    """Raise a ValueError naming `name` unless `mask` is a bool tensor (True = may attend)."""
-    if not isinstance(mask, Tensor) or mask.dtype != torch.bool:
-        got = mask.dtype if isinstance(mask, Tensor) else type(mask).__name__
-        raise ValueError(f"{name}: expected a bool tensor (True = may attend), got {got}")
-
-
-def check_length(name: str, value: object) -> int:
-    """Return `value` if it is a positive int, else raise a ValueError naming `name`."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name}: expected a positive int, got {value!r}")
-    return value
-
-
 def causal_mask(q_len: int, k_len: int | None = None, *, device: torch.device | str | None = None) -> Bool[Tensor, "q_pos k_pos"]:
     """The causal mask: query `i` may attend to key `j` iff `j <= i + (k_len - q_len)`.
 
@@ -62,8 +48,8 @@ def causal_mask(q_len: int, k_len: int | None = None, *, device: torch.device | 
     `q_len` positions of a sequence of `k_len` (a KV cache holds the earlier keys), so the
     last query sees every key.
     """
-    q_len = check_length("q_len", q_len)
-    k_len = q_len if k_len is None else check_length("k_len", k_len)
+    q_len = validate.positive_int("q_len", q_len)
+    k_len = q_len if k_len is None else validate.positive_int("k_len", k_len)
     if k_len < q_len:
         raise ValueError(
             f"k_len: expected k_len >= q_len={q_len} (queries are the last positions of the keys), got {k_len}"
@@ -98,7 +84,7 @@ def combine_masks(*masks: Bool[Tensor, "..."] | None) -> Bool[Tensor, "..."] | N
     for index, mask in enumerate(masks):
         if mask is None:
             continue
-        check_mask(mask, f"masks[{index}]")
+        validate.bool_mask(mask, f"masks[{index}]")
         if combined is None:
             combined = mask
             continue
@@ -134,6 +120,6 @@ def masked_softmax(scores: Float[Tensor, "... q_pos k_pos"], mask: Bool[Tensor, 
     """
     if mask is None:
         return upcast(scores).softmax(dim=-1).to(scores.dtype)
-    check_mask(mask)
+    validate.bool_mask(mask)
     pattern = fill_masked(upcast(scores), mask).softmax(dim=-1)
     return pattern.masked_fill(~mask, 0.0).to(scores.dtype)

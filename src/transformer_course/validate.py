@@ -22,9 +22,12 @@ def integer(name: str, value: Any, *, low: int | None = None, high: int | None =
     in_range = isinstance(value, Integral) and (low is None or value >= low)
     in_range = in_range and (high is None or value <= high)
     if isinstance(value, bool) or not in_range:
-        bounds = [f">= {low}" if low is not None else "", f"<= {high}" if high is not None else ""]
-        wanted = " and ".join(b for b in bounds if b)
-        raise ValueError(f"{name}: expected an int{' ' + wanted if wanted else ''}, got {value!r}")
+        if low == 1 and high is None:
+            wanted = "a positive int"
+        else:
+            bounds = [f">= {low}" if low is not None else "", f"<= {high}" if high is not None else ""]
+            wanted = " and ".join(["an int", *(b for b in bounds if b)]).replace("int and", "int")
+        raise ValueError(f"{name}: expected {wanted}, got {value!r}")
     return int(value)
 
 

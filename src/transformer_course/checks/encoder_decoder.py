@@ -33,8 +33,8 @@ from transformer_course.encoder_decoder import (
     greedy_decode,
     sinusoidal_positional_encoding,
 )
-from transformer_course.training import inverse_sqrt_lr
 from transformer_course.masking import causal_mask, padding_mask
+from transformer_course.training import inverse_sqrt_lr
 
 __all__ = [
     "check_beam_search",

@@ -11,9 +11,9 @@ from transformer_course.tokenization import (
     GPT2_SPLIT_PATTERN,
     BPETokenizer,
     encode_chunk,
-    split_chunks,
     get_pair_counts,
     merge_pair,
+    split_chunks,
     train_merges,
 )
 
