@@ -70,7 +70,9 @@ def pytest_runtest_makereport(item, call):
     """Keep the outputs of every book cell that nbval ran and found as stored."""
     report = (yield).get_result()
     if call.when == "call" and report.passed and _is_book_cell(item):
-        _executed.setdefault(Path(str(item.fspath)), {})[item.cell_num] = list(item.test_outputs or [])
+        _executed.setdefault(Path(str(item.fspath)), {})[item.cell_num] = list(
+            item.test_outputs or []
+        )
 
 
 def _cache_executed_pages() -> None:
@@ -100,8 +102,12 @@ def book_html() -> Path:
     """
     _cache_executed_pages()
     command = [
-        str(Path(sys.executable).parent / "jupyter-book"), "build", str(ROOT),
-        "--warningiserror", "--nitpick", "--keep-going",
+        str(Path(sys.executable).parent / "jupyter-book"),
+        "build",
+        str(ROOT),
+        "--warningiserror",
+        "--nitpick",
+        "--keep-going",
     ]
     result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
     if result.returncode != 0:

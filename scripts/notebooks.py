@@ -34,6 +34,7 @@ import argparse
 import ast
 import importlib
 import inspect
+import os
 import re
 import sys
 import textwrap
@@ -97,7 +98,9 @@ def parse_source(path: Path) -> list[SourceCell]:
                 raise ValueError(f"{path}:{number}: unexpected {word!r} in cell header")
         if kind == "exercise" and not cell.target:
             raise ValueError(f"{path}:{number}: [exercise] needs a target such as module:function")
-        missing = [key for key in (*RATINGS, "minutes") if kind == "exercise" and key not in cell.meta]
+        missing = [
+            key for key in (*RATINGS, "minutes") if kind == "exercise" and key not in cell.meta
+        ]
         if missing:
             raise ValueError(f"{path}:{number}: [exercise] needs {'=N '.join(missing)}=N")
         cells.append(cell)
@@ -108,7 +111,9 @@ def _rating(path: Path, number: int, key: str, value: str) -> int:
     """A header's `difficulty=`, `importance=` (1..5) or `minutes=` (1..120) value."""
     top = 5 if key in RATINGS else 120
     if not value.isdigit() or not 1 <= int(value) <= top:
-        raise ValueError(f"{path}:{number}: {key} must be an integer from 1 to {top}, got {value!r}")
+        raise ValueError(
+            f"{path}:{number}: {key} must be an integer from 1 to {top}, got {value!r}"
+        )
     return int(value)
 
 
@@ -131,7 +136,9 @@ def hints(cell: SourceCell) -> list[str]:
         elif more is not None and found:
             found[-1] += " " + more["text"]
         elif line.strip():
-            raise ValueError(f"[exercise] {cell.target}: only '# hint: ...' lines belong here, got {line!r}")
+            raise ValueError(
+                f"[exercise] {cell.target}: only '# hint: ...' lines belong here, got {line!r}"
+            )
     if not found:
         raise ValueError(f"[exercise] {cell.target}: give at least one '# hint: ...'")
     return found
@@ -308,7 +315,9 @@ def keep_outputs(path: Path, notebook: nbformat.NotebookNode) -> None:
     """Carry stored outputs over to cells whose source did not change."""
     if not path.exists():
         return
-    stored = {outputs_key(c): c for c in nbformat.read(path, as_version=4).cells if c.cell_type == "code"}
+    stored = {
+        outputs_key(c): c for c in nbformat.read(path, as_version=4).cells if c.cell_type == "code"
+    }
     for cell in notebook.cells:
         old = stored.get(outputs_key(cell))
         if cell.cell_type == "code" and old is not None:
@@ -319,8 +328,12 @@ def execute(path: Path) -> None:
     """Run a notebook top to bottom in this Python environment and store its outputs."""
     from nbclient import NotebookClient
 
+    # One thread, as each of the test suite's xdist workers has: the stored outputs are what
+    # nbval will see.
+    os.environ["OMP_NUM_THREADS"] = os.environ["MKL_NUM_THREADS"] = "1"
     notebook = nbformat.read(path, as_version=4)
-    NotebookClient(notebook, timeout=1800, kernel_name="python3", resources={"metadata": {"path": str(path.parent)}}).execute()
+    resources = {"metadata": {"path": str(path.parent)}}
+    NotebookClient(notebook, timeout=1800, kernel_name="python3", resources=resources).execute()
     nbformat.write(notebook, path)
 
 
@@ -331,8 +344,12 @@ def workbook_paths(source: Path) -> tuple[Path, Path]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--check", action="store_true", help="only report stale workbooks")
-    parser.add_argument("--execute", action="store_true", help="store fresh outputs in solutions/ and book/")
-    parser.add_argument("chapters", nargs="*", help="source stems to process, e.g. 01_tokenization (default: all)")
+    parser.add_argument(
+        "--execute", action="store_true", help="store fresh outputs in solutions/ and book/"
+    )
+    parser.add_argument(
+        "chapters", nargs="*", help="source stems to process, e.g. 01_tokenization (default: all)"
+    )
     args = parser.parse_args(argv)
     sys.path.insert(0, str(ROOT / "src"))
     repo = repository_url()
@@ -356,7 +373,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"wrote {path.relative_to(ROOT)}")
     if args.execute and not args.check:
         for page in sorted((ROOT / "book").glob("*.ipynb")):
-            if args.chapters and not any(page.stem.startswith(c.split("_")[0]) for c in args.chapters):
+            if args.chapters and not any(
+                page.stem.startswith(c.split("_")[0]) for c in args.chapters
+            ):
                 continue
             execute(page)
             print(f"executed {page.relative_to(ROOT)}")

@@ -38,8 +38,10 @@ def check() -> int:
     missing = [p for p in (TARGET / BUNDLE, TARGET / "LICENSE") if not p.is_file()]
     fonts = sorted((TARGET / FONTS).glob("*.woff"))
     if missing or len(fonts) != EXPECTED_FONTS:
-        print(f"incomplete MathJax copy in {TARGET.relative_to(ROOT)}: missing {missing or 'none'}, "
-              f"{len(fonts)} of {EXPECTED_FONTS} fonts; run `python scripts/vendor_mathjax.py`")
+        print(
+            f"incomplete MathJax copy in {TARGET.relative_to(ROOT)}: missing {missing or 'none'}, "
+            f"{len(fonts)} of {EXPECTED_FONTS} fonts; run `python scripts/vendor_mathjax.py`"
+        )
         return 1
     size = sum(p.stat().st_size for p in committed_files())
     print(f"MathJax {VERSION}: {len(committed_files())} files, {size / 1e6:.2f} MB")
@@ -51,8 +53,12 @@ def vendor() -> int:
         print("npm not found: install Node.js (it ships npm) and run this script again")
         return 1
     with tempfile.TemporaryDirectory() as tmp:
-        subprocess.run(["npm", "pack", f"mathjax@{VERSION}", "--silent"], cwd=tmp, check=True,
-                       stdout=subprocess.DEVNULL)
+        subprocess.run(
+            ["npm", "pack", f"mathjax@{VERSION}", "--silent"],
+            cwd=tmp,
+            check=True,
+            stdout=subprocess.DEVNULL,
+        )
         with tarfile.open(Path(tmp) / f"mathjax-{VERSION}.tgz") as archive:
             # The "data" filter refuses links and paths outside `tmp` (Python >= 3.10.12).
             safe = {"filter": "data"} if hasattr(tarfile, "data_filter") else {}

@@ -1,8 +1,9 @@
 """The built book, read the way a learner reads it: every page opened in headless Chromium.
 
 The `book_html` fixture (conftest.py) builds the book with warnings as errors; `pytest
-tests/test_book_html.py` runs these checks alone. The HTML is served from `_build/html` on 127.0.0.1; every request to
-any other host is blocked and reported, so a page that only works online fails here.
+tests/test_book_html.py` runs these checks alone. The HTML is served from `_build/html` on
+127.0.0.1; every request to any other host is blocked and reported, so a page that only works
+online fails here.
 
 For every page:
   * it has a title and exactly one non-empty H1, and heading levels never skip;
@@ -11,7 +12,8 @@ For every page:
   * every image has loaded (naturalWidth > 0) and has an alt text that describes it, not a path;
   * no console error, no uncaught exception, no failed or 4xx/5xx request;
   * no request to a host other than 127.0.0.1;
-  * every internal link points to a file that exists, and its #anchor to an id on that page.
+  * every internal link points to a file that exists, and its #anchor to an id on that page;
+  * no code block included from src scrolls sideways in the code column (collapsed ones opened).
 Without a browser, the HTML is still checked for notebook outputs a reader should never see
 (warnings, stderr, tracebacks, object reprs), for scripts or styles from other hosts, for alt
 texts, and for the course's drawn figures: each on its page, with a caption.
@@ -84,7 +86,21 @@ PAGES = [f"{page}.html" for page in toc_pages()]
 class _Scan(HTMLParser):
     """Collects ids, resource URLs and the text of notebook outputs of one HTML file."""
 
-    VOID = {"area", "base", "br", "col", "embed", "hr", "img", "input", "link", "meta", "source", "track", "wbr"}
+    VOID = {
+        "area",
+        "base",
+        "br",
+        "col",
+        "embed",
+        "hr",
+        "img",
+        "input",
+        "link",
+        "meta",
+        "source",
+        "track",
+        "wbr",
+    }
 
     def __init__(self) -> None:
         super().__init__(convert_charrefs=True)
@@ -109,7 +125,11 @@ class _Scan(HTMLParser):
                 self.figures[-1]["images"].append(attributes.get("src") or "")
         if tag == "figure":
             self.figures.append({"images": [], "caption": ""})
-        if tag == "link" and attributes.get("href") and attributes.get("rel") not in ("canonical", "alternate"):
+        if (
+            tag == "link"
+            and attributes.get("href")
+            and attributes.get("rel") not in ("canonical", "alternate")
+        ):
             self.resources.append(attributes["href"])
         classes = set((attributes.get("class") or "").split())
         inside = bool(self._stack and self._stack[-1][1]) or "cell_output" in classes
@@ -135,7 +155,7 @@ class _Scan(HTMLParser):
         return any(open_tag == tag for open_tag, _ in self._stack)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def scan(path: Path) -> _Scan:
     parser = _Scan()
     parser.feed(path.read_text(encoding="utf-8"))
@@ -159,7 +179,11 @@ def test_outputs_are_clean(page, book_html):
 @pytest.mark.parametrize("page", PAGES)
 def test_no_resource_from_another_host(page, book_html):
     """Scripts, styles, images and fonts all come from the book itself."""
-    external = [url for url in scan(book_html / page).resources if urlsplit(url).netloc or url.startswith("//")]
+    external = [
+        url
+        for url in scan(book_html / page).resources
+        if urlsplit(url).netloc or url.startswith("//")
+    ]
     assert not external, f"{page} loads from other hosts: {external}"
 
 
@@ -182,13 +206,17 @@ def test_drawn_figure_is_on_its_page_with_a_caption(page, drawing, book_html):
 
 def test_root_redirects_to_the_landing_page(book_html):
     root = (book_html / "index.html").read_text(encoding="utf-8")
-    assert 'url=book/index.html"' in root, f"_build/html/index.html does not redirect to book/index.html: {root!r}"
+    assert 'url=book/index.html"' in root, (
+        f"_build/html/index.html does not redirect to book/index.html: {root!r}"
+    )
 
 
 def test_mathjax_is_served_by_the_book(book_html):
     mathjax = book_html / "_static" / "mathjax"
     assert (mathjax / "tex-chtml-full.js").is_file(), "MathJax is missing from _static/mathjax"
-    assert sorted((mathjax / "output" / "chtml" / "fonts" / "woff-v2").glob("*.woff")), "MathJax fonts are missing"
+    assert sorted((mathjax / "output" / "chtml" / "fonts" / "woff-v2").glob("*.woff")), (
+        "MathJax fonts are missing"
+    )
 
 
 # ---------------------------------------------------------------- checks in a browser
@@ -220,7 +248,9 @@ def _unavailable(reason: str):
 def browser(tmp_path_factory):
     """A persistent Chromium context with a fresh profile directory."""
     if not CHROMIUM.exists() or shutil.which(str(CHROMIUM)) is None:
-        _unavailable(f"no Chromium at {CHROMIUM}: install it (`apt-get install chromium`) or set $CHROMIUM")
+        _unavailable(
+            f"no Chromium at {CHROMIUM}: install it (`apt-get install chromium`) or set $CHROMIUM"
+        )
     try:
         from playwright.sync_api import sync_playwright
     except ImportError:
@@ -232,7 +262,9 @@ def browser(tmp_path_factory):
             executable_path=str(CHROMIUM),
             args=CHROMIUM_ARGS,
             headless=True,
-            viewport={"width": 1280, "height": 900},
+            # At 1440 px (a common laptop width) and wider, the code column shows 100
+            # characters: the line length of src (ruff's line-length in pyproject.toml).
+            viewport={"width": 1440, "height": 900},
             service_workers="block",
         )
         yield context
@@ -248,8 +280,17 @@ async () => {
   for (const img of images) { img.loading = "eager"; }
   await Promise.all(images.map(img => img.decode().catch(() => null)));
   const article = document.querySelector("article.bd-article") || document.body;
+  // Code from src (not notebook cells) that scrolls sideways, collapsed blocks opened first.
+  const wideCode = root => {
+    root.querySelectorAll("details").forEach(d => { d.open = true; });
+    root.querySelectorAll(".toggle-hidden").forEach(e => e.classList.remove("toggle-hidden"));
+    return Array.from(root.querySelectorAll("div.highlight pre"))
+      .filter(pre => !pre.closest(".cell") && pre.scrollWidth > pre.clientWidth + 1)
+      .map(pre => pre.textContent.split("\\n").reduce((a, b) => (b.length > a.length ? b : a)));
+  };
   const visible = article.cloneNode(true);
-  visible.querySelectorAll("pre, code, script, style, textarea, mjx-assistive-mml").forEach(e => e.remove());
+  visible.querySelectorAll("pre, code, script, style, textarea, mjx-assistive-mml")
+    .forEach(e => e.remove());
   return {
     title: document.title,
     headings: Array.from(article.querySelectorAll("h1, h2, h3, h4, h5, h6"))
@@ -265,6 +306,7 @@ async () => {
       ok: img.complete && img.naturalWidth > 0,
     })),
     links: Array.from(document.querySelectorAll("a[href]")).map(a => a.href),
+    wideCode: wideCode(article),
   };
 }
 """
@@ -300,11 +342,23 @@ def test_page_in_browser(page, server, browser):
             route.abort()
 
     tab.route("**/*", route)
-    tab.on("console", lambda m: problems.append(f"console {m.type}: {m.text}") if m.type == "error" else None)
+    tab.on(
+        "console",
+        lambda m: problems.append(f"console {m.type}: {m.text}") if m.type == "error" else None,
+    )
     tab.on("pageerror", lambda e: problems.append(f"uncaught exception: {e}"))
-    tab.on("requestfailed", lambda r: problems.append(f"request failed: {r.url} ({r.failure})")
-           if urlsplit(r.url).hostname == "127.0.0.1" else None)
-    tab.on("response", lambda r: problems.append(f"HTTP {r.status}: {r.url}") if r.status >= 400 else None)
+    tab.on(
+        "requestfailed",
+        lambda r: (
+            problems.append(f"request failed: {r.url} ({r.failure})")
+            if urlsplit(r.url).hostname == "127.0.0.1"
+            else None
+        ),
+    )
+    tab.on(
+        "response",
+        lambda r: problems.append(f"HTTP {r.status}: {r.url}") if r.status >= 400 else None,
+    )
     try:
         tab.goto(f"{server}/{page}", wait_until="load")
         info = tab.evaluate(INSPECT_PAGE)
@@ -315,6 +369,8 @@ def test_page_in_browser(page, server, browser):
     finally:
         tab.close()
 
+    for line in info["wideCode"]:
+        problems.append(f"a code block from src scrolls sideways; its longest line: {line[:100]!r}")
     title = info["title"].strip()
     if not title or "<no title>" in title:
         problems.append(f"no page title ({info['title']!r})")
@@ -342,5 +398,5 @@ def test_page_in_browser(page, server, browser):
         problems.append(f"the drawn figure {DRAWN_FIGURES[page]} is not shown")
     problems += [f"request to another host: {url}" for url in external]
     internal = {url for url in info["links"] if url.startswith(server + "/")}
-    problems += [why for url in sorted(internal) if (why := _check_link(url[len(server):]))]
+    problems += [why for url in sorted(internal) if (why := _check_link(url[len(server) :]))]
     assert not problems, f"{page}:\n  " + "\n  ".join(problems)

@@ -65,14 +65,16 @@ def test_every_blank_fails_its_check_naming_the_exercise(source, monkeypatch):
                 exec(compile(_runnable(code.source), f"<{source.stem}>", "exec"), namespace)
         if pending:
             assert isinstance(failure.value, CheckFailure), (
-                f"{source.stem}: the check after an exercise raised {type(failure.value).__name__}: "
-                f"{failure.value} — expected a CheckFailure"
+                f"{source.stem}: the check after an exercise raised "
+                f"{type(failure.value).__name__}: {failure.value} — expected a CheckFailure"
             )
             message = str(failure.value)
             assert "not implemented yet" in message and "Exercise " in message, message
             assert len(message) <= 200, f"{source.stem}: a blank's message runs long: {message}"
             for hint in (h for c in pending for h in notebooks.hints(c)):
-                assert hint not in message, f"{source.stem}: the message gives a hint away: {message}"
+                assert hint not in message, (
+                    f"{source.stem}: the message gives a hint away: {message}"
+                )
             pending = []
             checked += 1
     assert checked >= 1, f"{source.stem}: no exercise is followed by a check"
@@ -116,7 +118,9 @@ def test_each_exercise_has_a_header_hints_and_a_collapsed_solution(source):
 
 def test_an_exercise_without_ratings_or_hints_is_refused(tmp_path):
     source = tmp_path / "09_demo.py"
-    source.write_text("# %% [exercise] transformer_course.masking:causal_mask difficulty=2\n# hint: x\n")
+    source.write_text(
+        "# %% [exercise] transformer_course.masking:causal_mask difficulty=2\n# hint: x\n"
+    )
     with pytest.raises(ValueError, match="importance=N minutes=N"):
         notebooks.parse_source(source)
     source.write_text("# %% [exercise] m:f difficulty=6 importance=1 minutes=5\n")

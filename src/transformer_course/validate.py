@@ -25,7 +25,10 @@ def integer(name: str, value: Any, *, low: int | None = None, high: int | None =
         if low == 1 and high is None:
             wanted = "a positive int"
         else:
-            bounds = [f">= {low}" if low is not None else "", f"<= {high}" if high is not None else ""]
+            bounds = [
+                f">= {low}" if low is not None else "",
+                f"<= {high}" if high is not None else "",
+            ]
             wanted = " and ".join(["an int", *(b for b in bounds if b)]).replace("int and", "int")
         raise ValueError(f"{name}: expected {wanted}, got {value!r}")
     return int(value)
@@ -36,8 +39,9 @@ def positive_int(name: str, value: Any) -> int:
     return integer(name, value, low=1)
 
 
-def number(name: str, value: Any, *, low: float = -math.inf, high: float = math.inf,
-           low_open: bool = False) -> float:
+def number(
+    name: str, value: Any, *, low: float = -math.inf, high: float = math.inf, low_open: bool = False
+) -> float:
     """A finite real number (not a bool) in [low, high], or (low, high] with `low_open`."""
     ok = isinstance(value, Real) and not isinstance(value, bool) and math.isfinite(value)
     ok = ok and (value > low if low_open else value >= low) and value <= high
@@ -94,7 +98,9 @@ def last_dim(x: Any, d_model: int, name: str = "x") -> Tensor:
         raise TypeError(f"{name}: expected a torch.Tensor, got {type(x).__name__}")
     if x.ndim == 0 or x.shape[-1] != d_model:
         got = x.shape[-1] if x.ndim else "none (a 0-d tensor)"
-        raise ValueError(f"{name}: expected last dim d_model={d_model}, got {got} (shape {tuple(x.shape)})")
+        raise ValueError(
+            f"{name}: expected last dim d_model={d_model}, got {got} (shape {tuple(x.shape)})"
+        )
     if not x.is_floating_point():
         raise TypeError(f"{name}: expected a floating-point tensor, got dtype {x.dtype}")
     return x
