@@ -452,7 +452,10 @@ def corpus_bleu(
 
 def runs_root() -> Path:
     """Where trained models are cached: `$TRANSFORMER_COURSE_RUNS`, else `runs/` at the
-    repository root."""
+    repository root.
+
+    Course: chapter 5.
+    """
     if os.environ.get("TRANSFORMER_COURSE_RUNS"):
         return Path(os.environ["TRANSFORMER_COURSE_RUNS"])
     root = Path(__file__).resolve().parents[2]
@@ -460,25 +463,34 @@ def runs_root() -> Path:
 
 
 def run_dir(setup: TranslationSetup) -> Path:
-    """A folder named by the profile and a hash of every setting that changes the trained model."""
-    key = json.dumps(
-        {**asdict(setup), "split": [SPLIT_SEED, N_VALID, N_TEST], "format": 2}, sort_keys=True
-    )
-    return (
-        runs_root()
-        / "translation"
-        / f"{setup.name}-{hashlib.sha256(key.encode()).hexdigest()[:12]}"
-    )
+    """The run's folder, named by the profile and a hash of every setting that changes the
+    trained model (and of the format of what is saved there).
+
+    Course: chapter 5.
+    """
+    # The format changes when saved models stop loading (2: the encoder's and decoder's blocks
+    # became the one TransformerBlock, whose parameters are named differently).
+    settings = {**asdict(setup), "split": [SPLIT_SEED, N_VALID, N_TEST], "format": 2}
+    digest = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()
+    return runs_root() / "translation" / f"{setup.name}-{digest[:12]}"
 
 
 def is_trained(setup: TranslationSetup) -> bool:
-    """True if the cache holds a model of `setup` trained to its last step."""
+    """True if the cache holds a model of `setup` trained to its last step.
+
+    Course: chapter 5.
+    """
     path = run_dir(setup) / CHECKPOINT_NAME
     return path.exists() and read_checkpoint(path)["step"] >= setup.max_steps
 
 
 @dataclass
 class TranslationRun:
+    """What `run_translation` returns: the trained model and everything needed to use it.
+
+    Course: chapter 5.
+    """
+
     setup: TranslationSetup
     model: EncoderDecoderTransformer
     tokenizer: BPETokenizer
@@ -490,7 +502,10 @@ class TranslationRun:
 def train_config(
     setup: TranslationSetup, *, progress: bool = True, log_every: int = 50
 ) -> TrainConfig:
-    """The training settings for `setup` (validated as a whole when built)."""
+    """The training settings for `setup` (validated as a whole when built).
+
+    Course: chapter 5.
+    """
     return TrainConfig(
         max_steps=setup.max_steps,
         lr=setup.lr,
@@ -568,6 +583,10 @@ def run_translation(
 
 
 def main(argv: Sequence[str] | None = None) -> None:
+    """`python -m transformer_course.translation`: train (or load) a profile, report test BLEU.
+
+    Course: chapter 5.
+    """
     parser = argparse.ArgumentParser(
         description="Train the English→Spanish Transformer and report test BLEU."
     )
