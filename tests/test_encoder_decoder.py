@@ -1,39 +1,50 @@
-"""The encoder–decoder model against `torch.nn.Transformer`, plus masking, decoding and loss properties."""
+"""The encoder–decoder model against `torch.nn.Transformer`, plus its masks, its configuration
+and the label-smoothed loss."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
+import subprocess
+import sys
 
-import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from transformer_course import decoding, encoder_decoder, translation
 from transformer_course.attention import set_fast_path
 from transformer_course.encoder_decoder import (
     EncoderDecoderTransformer,
     Seq2SeqConfig,
-    beam_search,
-    greedy_decode,
     label_smoothed_cross_entropy,
     sinusoidal_positional_encoding,
-    translate,
 )
-from transformer_course.tokenization import BPETokenizer
 
 PAD, BOS, EOS = 0, 1, 2
 
 
 def small_config(**overrides) -> Seq2SeqConfig:
-    settings = dict(src_vocab=23, tgt_vocab=19, d_model=16, n_heads=4, n_layers=2, d_ff=24, dropout=0.0, max_len=32)
+    settings = dict(
+        src_vocab=23,
+        tgt_vocab=19,
+        d_model=16,
+        n_heads=4,
+        n_layers=2,
+        d_mlp=24,
+        dropout=0.0,
+        max_len=32,
+    )
     settings.update(overrides)
     return Seq2SeqConfig(**settings)
 
 
 def batch_with_padding():
     # Rows of different lengths, right-padded; every row has at least one real token.
-    src = torch.tensor([[5, 6, 7, 8, 9, 10], [11, 12, 3, PAD, PAD, PAD], [4, PAD, PAD, PAD, PAD, PAD]])
+    src = torch.tensor(
+        [[5, 6, 7, 8, 9, 10], [11, 12, 3, PAD, PAD, PAD], [4, PAD, PAD, PAD, PAD, PAD]]
+    )
     tgt = torch.tensor([[BOS, 5, 6, 7, 8], [BOS, 9, PAD, PAD, PAD], [BOS, 3, 4, 5, PAD]])
     return src, tgt
 
@@ -58,9 +69,13 @@ def _copy_attention(ours, theirs: nn.MultiheadAttention, n_heads: int) -> None:
     d_head = d_model // n_heads
     with torch.no_grad():
         for k, name in enumerate("QKV"):
-            weight = theirs.in_proj_weight[k * d_model : (k + 1) * d_model]  # (head*d_head, d_model)
+            weight = theirs.in_proj_weight[
+                k * d_model : (k + 1) * d_model
+            ]  # (head*d_head, d_model)
             bias = theirs.in_proj_bias[k * d_model : (k + 1) * d_model]
-            getattr(ours, f"W_{name}").copy_(weight.T.reshape(d_model, n_heads, d_head).permute(1, 0, 2))
+            getattr(ours, f"W_{name}").copy_(
+                weight.T.reshape(d_model, n_heads, d_head).permute(1, 0, 2)
+            )
             getattr(ours, f"b_{name}").copy_(bias.reshape(n_heads, d_head))
         ours.W_O.copy_(theirs.out_proj.weight.T.reshape(n_heads, d_head, d_model))
         ours.b_O.copy_(theirs.out_proj.bias)
@@ -81,13 +96,31 @@ def _copy_mlp(ours, linear1: nn.Linear, linear2: nn.Linear) -> None:
 
 
 def reference_transformer(cfg: Seq2SeqConfig) -> nn.Transformer:
-    """torch's Transformer with the same norm placement; post-LN stacks without an extra final norm."""
-    kwargs = dict(d_model=cfg.d_model, nhead=cfg.n_heads, dim_feedforward=cfg.d_ff, dropout=0.0, batch_first=True,
-                  norm_first=cfg.norm == "pre", activation=cfg.act_fn)
+    """torch's Transformer with the same norm placement; post-LN stacks without an extra final
+    norm."""
+    kwargs = dict(
+        d_model=cfg.d_model,
+        nhead=cfg.n_heads,
+        dim_feedforward=cfg.d_mlp,
+        dropout=0.0,
+        batch_first=True,
+        norm_first=cfg.norm == "pre",
+        activation=cfg.act_fn,
+    )
     final = (lambda: nn.LayerNorm(cfg.d_model)) if cfg.norm == "pre" else (lambda: None)
-    encoder = nn.TransformerEncoder(nn.TransformerEncoderLayer(**kwargs), cfg.n_layers, norm=final(), enable_nested_tensor=False)
-    decoder = nn.TransformerDecoder(nn.TransformerDecoderLayer(**kwargs), cfg.n_layers, norm=final())
-    return nn.Transformer(d_model=cfg.d_model, nhead=cfg.n_heads, custom_encoder=encoder, custom_decoder=decoder, batch_first=True)
+    encoder = nn.TransformerEncoder(
+        nn.TransformerEncoderLayer(**kwargs), cfg.n_layers, norm=final(), enable_nested_tensor=False
+    )
+    decoder = nn.TransformerDecoder(
+        nn.TransformerDecoderLayer(**kwargs), cfg.n_layers, norm=final()
+    )
+    return nn.Transformer(
+        d_model=cfg.d_model,
+        nhead=cfg.n_heads,
+        custom_encoder=encoder,
+        custom_decoder=decoder,
+        batch_first=True,
+    )
 
 
 def map_weights(ours: EncoderDecoderTransformer, theirs: nn.Transformer) -> None:
@@ -97,19 +130,22 @@ def map_weights(ours: EncoderDecoderTransformer, theirs: nn.Transformer) -> None
         _copy_norm(block.ln1, layer.norm1)
         _copy_norm(block.ln2, layer.norm2)
     for block, layer in zip(ours.decoder, theirs.decoder.layers):
-        _copy_attention(block.self_attn, layer.self_attn, ours.cfg.n_heads)
+        _copy_attention(block.attn, layer.self_attn, ours.cfg.n_heads)
         _copy_attention(block.cross_attn, layer.multihead_attn, ours.cfg.n_heads)
         _copy_mlp(block.mlp, layer.linear1, layer.linear2)
         _copy_norm(block.ln1, layer.norm1)
-        _copy_norm(block.ln2, layer.norm2)
-        _copy_norm(block.ln3, layer.norm3)
+        _copy_norm(block.ln_cross, layer.norm2)
+        _copy_norm(block.ln2, layer.norm3)
     if ours.cfg.norm == "pre":
         _copy_norm(ours.ln_enc, theirs.encoder.norm)
         _copy_norm(ours.ln_dec, theirs.decoder.norm)
 
 
-def reference_logits(ours: EncoderDecoderTransformer, theirs: nn.Transformer, src, tgt) -> torch.Tensor:
-    """Embeddings, masks and the output projection written independently around torch's Transformer."""
+def reference_logits(
+    ours: EncoderDecoderTransformer, theirs: nn.Transformer, src, tgt
+) -> torch.Tensor:
+    """Embeddings, masks and the output projection written independently around torch's
+    Transformer."""
     cfg = ours.cfg
     dtype = ours.b_U.dtype
     pe = paper_positional_encoding(cfg.max_len, cfg.d_model).to(dtype)
@@ -132,7 +168,11 @@ def reference_logits(ours: EncoderDecoderTransformer, theirs: nn.Transformer, sr
 
 @pytest.mark.parametrize(
     ("norm", "act_fn", "dtype", "atol"),
-    [("post", "relu", torch.float64, 1e-10), ("pre", "gelu", torch.float64, 1e-10), ("post", "relu", torch.float32, 2e-5)],
+    [
+        ("post", "relu", torch.float64, 1e-10),
+        ("pre", "gelu", torch.float64, 1e-10),
+        ("post", "relu", torch.float32, 2e-5),
+    ],
 )
 def test_equals_torch_transformer(norm, act_fn, dtype, atol):
     torch.manual_seed(0)
@@ -142,9 +182,13 @@ def test_equals_torch_transformer(norm, act_fn, dtype, atol):
     map_weights(ours, theirs)
     src, tgt = batch_with_padding()
     theirs.train()  # keeps torch off its inference fast path, which skips padded positions
-    torch.testing.assert_close(ours(src, tgt), reference_logits(ours, theirs, src, tgt), atol=atol, rtol=0)
+    torch.testing.assert_close(
+        ours(src, tgt), reference_logits(ours, theirs, src, tgt), atol=atol, rtol=0
+    )
     set_fast_path(ours, True)  # the SDPA path computes the same thing
-    torch.testing.assert_close(ours(src, tgt), reference_logits(ours, theirs, src, tgt), atol=atol, rtol=0)
+    torch.testing.assert_close(
+        ours(src, tgt), reference_logits(ours, theirs, src, tgt), atol=atol, rtol=0
+    )
 
 
 @pytest.mark.parametrize("norm", ["post", "pre"])
@@ -166,12 +210,16 @@ def test_decoder_is_causal():
     changed = tgt.clone()
     changed[0, 3:] = torch.tensor([9, 10])
     a, b = model(src, tgt), model(src, changed)
-    torch.testing.assert_close(a[:, :3], b[:, :3], atol=1e-12, rtol=0)  # the future cannot leak back
+    torch.testing.assert_close(
+        a[:, :3], b[:, :3], atol=1e-12, rtol=0
+    )  # the future cannot leak back
     assert (a[:, 3:] - b[:, 3:]).abs().max() > 1e-3  # while the changed positions do change
 
 
 def test_tied_and_shared_embeddings_are_one_matrix():
-    model = EncoderDecoderTransformer(small_config(src_vocab=19, share_embeddings=True, tie_embeddings=True))
+    model = EncoderDecoderTransformer(
+        small_config(src_vocab=19, share_embeddings=True, tie_embeddings=True)
+    )
     assert model.src_embed is model.tgt_embed and not hasattr(model, "W_U")
     src, tgt = batch_with_padding()
     x = model.decode(tgt, model.encode(src), model.src_mask(src))
@@ -188,8 +236,6 @@ def test_bad_input_gets_clear_errors():
         model(torch.ones(1, 4, dtype=torch.long), torch.full((1, 3), 19))
     with pytest.raises(ValueError, match="src: expected an integer tensor"):
         model(torch.ones(1, 4), torch.ones(1, 3, dtype=torch.long))
-    with pytest.raises(ValueError, match="max_len"):
-        greedy_decode(model, torch.ones(1, 4, dtype=torch.long), bos_id=BOS, eos_id=EOS, max_len=33)
     with pytest.raises(ValueError, match="d_model"):
         small_config(d_model=15, n_heads=3)
 
@@ -200,66 +246,14 @@ def test_label_smoothing_matches_torch():
     targets = torch.randint(1, 11, (4, 7))
     targets[1, 4:] = PAD
     ours = label_smoothed_cross_entropy(logits, targets, smoothing=0.1, ignore_index=PAD)
-    theirs = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), label_smoothing=0.1, ignore_index=PAD)
+    theirs = F.cross_entropy(
+        logits.flatten(0, 1), targets.flatten(), label_smoothing=0.1, ignore_index=PAD
+    )
     torch.testing.assert_close(ours, theirs.float(), atol=1e-6, rtol=0)
     plain = label_smoothed_cross_entropy(logits, targets, smoothing=0.0)
-    torch.testing.assert_close(plain, F.cross_entropy(logits.flatten(0, 1), targets.flatten()).float(), atol=1e-6, rtol=0)
-
-
-class Scripted(EncoderDecoderTransformer):
-    """A model whose next token is fixed by the target length: tokens 5, 6, 7, ... then `eos_at`."""
-
-    def __init__(self, eos_at: int):
-        super().__init__(small_config())
-        self.eos_at = eos_at
-
-    def decode(self, tgt, memory, src_mask):
-        logits = torch.full((*tgt.shape, self.cfg.tgt_vocab), -10.0)
-        for pos in range(tgt.shape[1]):
-            logits[:, pos, EOS if pos + 1 == self.eos_at else 5 + pos % 10] = 10.0
-        return logits
-
-
-def test_decoding_stops_at_the_end_token_and_respects_max_len():
-    src = torch.tensor([[5, 6], [7, PAD]])
-    for decode in (greedy_decode, beam_search):
-        assert decode(Scripted(eos_at=4), src, bos_id=BOS, eos_id=EOS, max_len=10) == [[5, 6, 7]] * 2
-        assert decode(Scripted(eos_at=99), src, bos_id=BOS, eos_id=EOS, max_len=6) == [[5, 6, 7, 8, 9, 10]] * 2
-        assert decode(Scripted(eos_at=1), src, bos_id=BOS, eos_id=EOS, max_len=6) == [[], []]
-
-
-def test_beam_one_equals_greedy():
-    torch.manual_seed(4)
-    model = EncoderDecoderTransformer(small_config()).double()
-    src = torch.randint(3, 23, (6, 7))
-    src[2, 4:] = PAD
-    greedy = greedy_decode(model, src, bos_id=BOS, eos_id=EOS, max_len=12)
-    assert beam_search(model, src, bos_id=BOS, eos_id=EOS, max_len=12, beam_size=1) == greedy
-    assert all(len(row) <= 12 and EOS not in row and BOS not in row for row in greedy)
-
-
-def test_beam_search_finds_a_better_sequence_than_greedy():
-    # Hand-built two-step problem: greedy takes token 5 (p=0.6) then faces a flat distribution;
-    # token 6 (p=0.4) leads to a certain end. Beam 2 must prefer 6 -> eos (0.4) over 5 -> x -> ... .
-    class TwoPaths(EncoderDecoderTransformer):
-        def __init__(self):
-            super().__init__(small_config())
-
-        def decode(self, tgt, memory, src_mask):
-            logits = torch.full((*tgt.shape, self.cfg.tgt_vocab), -30.0)
-            last = tgt[:, -1]
-            for row, token in enumerate(last.tolist()):
-                if token == BOS:
-                    logits[row, -1, 5], logits[row, -1, 6] = math.log(0.6), math.log(0.4)
-                elif token == 6:
-                    logits[row, -1, EOS] = 0.0
-                else:
-                    logits[row, -1, 3:] = 0.0  # uniform over 16 tokens, eos never likely
-            return logits
-
-    src = torch.tensor([[5]])
-    assert greedy_decode(TwoPaths(), src, bos_id=BOS, eos_id=EOS, max_len=3)[0][0] == 5
-    assert beam_search(TwoPaths(), src, bos_id=BOS, eos_id=EOS, max_len=3, beam_size=2) == [[6]]
+    torch.testing.assert_close(
+        plain, F.cross_entropy(logits.flatten(0, 1), targets.flatten()).float(), atol=1e-6, rtol=0
+    )
 
 
 # ---- bad input by kind ----------------------------------------------------------------------
@@ -291,20 +285,6 @@ def test_zero_length_tokens_are_named():
         model(src[:, :0], tgt)
 
 
-@pytest.mark.parametrize("decode", [greedy_decode, beam_search])
-def test_special_ids_outside_the_vocabulary_are_refused(decode):
-    """An eos_id the model cannot emit would make every row run on to max_len."""
-    model = EncoderDecoderTransformer(small_config())
-    src, _ = batch_with_padding()
-    with pytest.raises(ValueError, match=r"eos_id: expected an int id in \[0, 19\), got 19"):
-        decode(model, src, bos_id=BOS, eos_id=19, max_len=5)
-    with pytest.raises(ValueError, match=r"bos_id: expected an int id in \[0, 19\), got -1"):
-        decode(model, src, bos_id=-1, eos_id=EOS, max_len=5)
-    with pytest.raises(ValueError, match=r"eos_id: .* got True"):
-        decode(model, src, bos_id=BOS, eos_id=True, max_len=5)
-    assert len(decode(model, src, bos_id=np.int64(BOS), eos_id=np.int64(EOS), max_len=3)) == 3
-
-
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
@@ -319,35 +299,49 @@ def test_config_is_validated_before_building(overrides, message):
         small_config(**overrides)
 
 
-def _translation_setup():
-    tokenizer = BPETokenizer.train("hola mundo " * 5, 270, special_tokens=["<pad>", "<s>", "</s>"])
-    vocab, pad = tokenizer.vocab_size, tokenizer.special_tokens["<pad>"]
-    model = EncoderDecoderTransformer(small_config(src_vocab=vocab, tgt_vocab=vocab, pad_id=pad))
-    return model, tokenizer
+def test_the_papers_d_ff_sets_and_reads_d_mlp():
+    """COURSE.md's contract writes the MLP width as `d_ff`, the paper's name, in the sixth slot."""
+    by_name = Seq2SeqConfig(src_vocab=11, tgt_vocab=11, d_ff=64)
+    by_position = Seq2SeqConfig(11, 11, 32, 4, 2, 64)
+    assert by_name.d_mlp == by_name.d_ff == by_position.d_mlp == by_position.d_ff == 64
+    assert "d_ff" not in {f.name for f in dataclasses.fields(by_name)}  # one field, two names
+    assert dataclasses.replace(by_name, d_model=64).d_mlp == 64
+    assert Seq2SeqConfig(11, 11, d_mlp=96).d_ff == 96
+    with pytest.raises(ValueError, match="d_ff: .* got d_ff=64 and d_mlp=96"):
+        Seq2SeqConfig(11, 11, d_mlp=96, d_ff=64)
+    with pytest.raises(ValueError, match="d_mlp: expected a positive int, got 0"):
+        Seq2SeqConfig(11, 11, d_ff=0)
+    model = EncoderDecoderTransformer(Seq2SeqConfig(11, 11, 16, 4, 1, d_ff=40))
+    assert model.encoder[0].mlp.d_mlp == model.decoder[0].mlp.d_mlp == 40
 
 
-def test_translate_refuses_bad_settings_instead_of_guessing():
-    model, tokenizer = _translation_setup()
-    with pytest.raises(ValueError, match=r"max_len: expected an int in \[1, 32\] .* got 0"):
-        translate(model, ["hello"], tokenizer, max_len=0)
-    with pytest.raises(ValueError, match="batch_size: expected a positive int, got 0"):
-        translate(model, ["hello"], tokenizer, batch_size=0)
-    plain = BPETokenizer.train("hello", 260)
-    with pytest.raises(ValueError, match=r"src_tokenizer: expected the .* missing \[.</s>.\]"):
-        translate(model, ["hello"], plain, tokenizer)
-    with pytest.raises(ValueError, match=r"tgt_tokenizer: .* missing \['<s>', '</s>'\]"):
-        translate(model, ["hello"], tokenizer, plain)
-    assert len(translate(model, ["hello", "hola"], tokenizer, max_len=3)) == 2
+def test_blocks_are_the_one_transformer_block_with_hooks():
+    model = EncoderDecoderTransformer(small_config(dropout=0.1))
+    encoder, decoder = model.encoder[0], model.decoder[0]
+    assert not encoder.causal and not encoder.cross_attention
+    assert decoder.causal and decoder.cross_attention
+    src, tgt = batch_with_padding()
+    seen = []
+    decoder.hook_cross_attn_out.add_hook(lambda tensor, hook: seen.append(tensor.shape))
+    model.eval()(src, tgt)
+    decoder.hook_cross_attn_out.remove_hooks()
+    assert seen == [(3, 5, 16)]
 
 
-def test_decoding_refuses_logits_that_are_not_finite():
-    """A model with NaN weights must not decode to a row of token 0."""
-    model = EncoderDecoderTransformer(
-        Seq2SeqConfig(src_vocab=12, tgt_vocab=12, d_model=16, n_heads=2, n_layers=1, d_ff=16, dropout=0.0)
+def test_contract_names_are_found_in_encoder_decoder():
+    """Decoding and `translate` live beside the chapter's other code; COURSE.md lists them here."""
+    assert encoder_decoder.greedy_decode is decoding.greedy_decode
+    assert encoder_decoder.beam_search is decoding.beam_search
+    assert encoder_decoder.translate is translation.translate
+    with pytest.raises(AttributeError, match="no attribute 'pad_batch'"):
+        encoder_decoder.pad_batch  # noqa: B018
+
+
+@pytest.mark.parametrize("first", ["encoder_decoder", "decoding", "translation"])
+def test_modules_import_in_any_order(first):
+    """No import cycle: each module imports on its own in a fresh interpreter."""
+    code = (
+        f"import transformer_course.{first}\n"
+        "from transformer_course.encoder_decoder import translate, greedy_decode, beam_search"
     )
-    with torch.no_grad():
-        model.b_U.fill_(float("nan"))
-    src = torch.tensor([[3, 4, 5]])
-    for decode in (greedy_decode, beam_search):
-        with pytest.raises(FloatingPointError, match="logits are not finite"):
-            decode(model, src, bos_id=1, eos_id=2, max_len=5)
+    subprocess.run([sys.executable, "-c", code], check=True)

@@ -1,4 +1,5 @@
-"""Translation data plumbing: the split by English sentence, batching, tokenizer, BLEU and caching."""
+"""Translation data plumbing: the split by English sentence, batching, tokenizer, `translate`,
+BLEU and caching."""
 
 from __future__ import annotations
 
@@ -10,33 +11,43 @@ import torch
 from torch import nn
 
 from transformer_course import translation
-from transformer_course.encoder_decoder import (
-    BOS,
-    EOS,
-    PAD,
-    UNK,
-    EncoderDecoderTransformer,
-    Seq2SeqConfig,
-    seq2seq_loss,
-)
+from transformer_course.encoder_decoder import EncoderDecoderTransformer, Seq2SeqConfig
+from transformer_course.tokenization import BPETokenizer
 from transformer_course.training import History, save_checkpoint
 from transformer_course.translation import (
+    BOS,
+    EOS,
     N_TEST,
     N_VALID,
-    PROFILES,
+    PAD,
+    SETUPS,
+    UNK,
     LengthBatches,
-    cache_dir,
     corpus_bleu,
     is_trained,
     keep_short,
     load_splits,
+    pad_batch,
     references_by_source,
+    run_dir,
+    seq2seq_loss,
     split_pairs,
     train_tokenizer,
+    translate,
 )
 
-TOY = [("Go.", "Ve."), ("Go.", "Vete."), ("Hi.", "Hola."), ("Run!", "¡Corre!"), ("Run!", "¡Corran!"), ("Who?", "¿Quién?"),
-       ("Wow!", "¡Órale!"), ("Fire!", "¡Fuego!"), ("Help!", "¡Ayuda!"), ("Stop!", "¡Para!")]
+TOY = [
+    ("Go.", "Ve."),
+    ("Go.", "Vete."),
+    ("Hi.", "Hola."),
+    ("Run!", "¡Corre!"),
+    ("Run!", "¡Corran!"),
+    ("Who?", "¿Quién?"),
+    ("Wow!", "¡Órale!"),
+    ("Fire!", "¡Fuego!"),
+    ("Help!", "¡Ayuda!"),
+    ("Stop!", "¡Para!"),
+]
 
 
 def test_split_keeps_every_source_sentence_in_one_split():
@@ -45,7 +56,9 @@ def test_split_keeps_every_source_sentence_in_one_split():
     assert len(sources["test"]) == 3 and len(sources["valid"]) == 2
     assert not sources["test"] & sources["train"] and not sources["valid"] & sources["train"]
     assert not sources["test"] & sources["valid"]
-    assert sorted(p for pairs in splits.values() for p in pairs) == sorted(TOY)  # nothing lost or repeated
+    assert sorted(p for pairs in splits.values() for p in pairs) == sorted(
+        TOY
+    )  # nothing lost or repeated
     assert split_pairs(TOY, n_valid=2, n_test=3, seed=0) == splits  # fixed seed, fixed split
     with pytest.raises(ValueError, match="n_valid \\+ n_test"):
         split_pairs(TOY, n_valid=4, n_test=4)
@@ -84,7 +97,10 @@ def test_batches_group_similar_lengths_and_depend_only_on_the_step():
         real_out = [t for t in row_out if t != pad]
         assert real_out[-1] == eos and [t for t in row_in if t != pad] == [bos] + real_out[:-1]
     for step in range(8):
-        assert all(torch.equal(a, b) for a, b in zip(batches(step), LengthBatches(tokenizer, TOY, 3, seed=1)(step)))
+        assert all(
+            torch.equal(a, b)
+            for a, b in zip(batches(step), LengthBatches(tokenizer, TOY, 3, seed=1)(step))
+        )
     seen = sorted(i for step in range(len(batches)) for i in batches.batches[step])
     assert seen == list(range(len(TOY)))  # one epoch covers every pair once
     lengths = [len(batches.examples[i][0]) for b in batches.batches for i in b]
@@ -95,30 +111,40 @@ def test_bleu_uses_every_reference():
     sources, references = references_by_source(TOY)
     assert references[sources.index("Run!")] == ["¡Corre!", "¡Corran!"]
     hypotheses = ["el gato negro duerme en casa", "tengo dos perros muy grandes"]
-    refs = [["el gato negro duerme", "el gato negro duerme en casa"], ["tengo dos perros muy grandes"]]
-    expected = sacrebleu.corpus_bleu(hypotheses, [["el gato negro duerme", "tengo dos perros muy grandes"],
-                                                  ["el gato negro duerme en casa", None]])
+    refs = [
+        ["el gato negro duerme", "el gato negro duerme en casa"],
+        ["tengo dos perros muy grandes"],
+    ]
+    expected = sacrebleu.corpus_bleu(
+        hypotheses,
+        [
+            ["el gato negro duerme", "tengo dos perros muy grandes"],
+            ["el gato negro duerme en casa", None],
+        ],
+    )
     assert corpus_bleu(hypotheses, refs).score == pytest.approx(expected.score)
-    assert corpus_bleu(hypotheses, refs).score == pytest.approx(100.0)  # each hypothesis matches one reference
+    assert corpus_bleu(hypotheses, refs).score == pytest.approx(
+        100.0
+    )  # each hypothesis matches one reference
     assert corpus_bleu(hypotheses, refs, multi_reference=False).score < 100.0
 
 
 def test_cache_folder_changes_with_the_settings():
-    quick = PROFILES["quick"]
-    assert cache_dir(quick) == cache_dir(replace(quick))
-    assert cache_dir(quick) != cache_dir(replace(quick, max_steps=quick.max_steps + 1))
-    assert cache_dir(quick).name.startswith("quick-")
+    quick = SETUPS["quick"]
+    assert run_dir(quick) == run_dir(replace(quick))
+    assert run_dir(quick) != run_dir(replace(quick, max_steps=quick.max_steps + 1))
+    assert run_dir(quick).name.startswith("quick-")
 
 
 def test_is_trained_reads_the_cached_step(tmp_path, monkeypatch):
     monkeypatch.setenv("TRANSFORMER_COURSE_RUNS", str(tmp_path))
-    setup = replace(PROFILES["quick"], max_steps=10)
-    assert cache_dir(setup).is_relative_to(tmp_path) and not is_trained(setup)
-    cache_dir(setup).mkdir(parents=True)
+    setup = replace(SETUPS["quick"], max_steps=10)
+    assert run_dir(setup).is_relative_to(tmp_path) and not is_trained(setup)
+    run_dir(setup).mkdir(parents=True)
     for step, done in ((4, False), (10, True)):
-        save_checkpoint(cache_dir(setup) / "checkpoint.pt", nn.Linear(2, 1), None, step, History())
+        save_checkpoint(run_dir(setup) / "checkpoint.pt", nn.Linear(2, 1), None, step, History())
         assert is_trained(setup) is done
-    (cache_dir(setup) / "checkpoint.pt").write_bytes(b"")
+    (run_dir(setup) / "checkpoint.pt").write_bytes(b"")
     with pytest.raises(ValueError, match="checkpoint.pt: cannot be read"):
         is_trained(setup)
 
@@ -130,8 +156,17 @@ def test_buckets_pad_to_a_few_lengths_without_changing_the_loss():
     pad = tokenizer.special_tokens[PAD]
     torch.manual_seed(0)
     vocab = tokenizer.vocab_size
-    cfg = Seq2SeqConfig(src_vocab=vocab, tgt_vocab=vocab, d_model=16, n_heads=2, n_layers=1,
-                        d_ff=32, dropout=0.0, max_len=32, pad_id=pad)
+    cfg = Seq2SeqConfig(
+        src_vocab=vocab,
+        tgt_vocab=vocab,
+        d_model=16,
+        n_heads=2,
+        n_layers=1,
+        d_mlp=32,
+        dropout=0.0,
+        max_len=32,
+        pad_id=pad,
+    )
     model = EncoderDecoderTransformer(cfg).eval()
     for step in range(len(plain)):
         short, long = plain(step), bucketed(step)
@@ -165,8 +200,44 @@ def test_cli_refuses_bad_settings_before_any_work(flags, message, monkeypatch, c
 
 def test_a_cache_folder_that_is_a_file_is_refused_before_any_work(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("TRANSFORMER_COURSE_RUNS", str(tmp_path))
-    cache_dir(PROFILES["quick"]).parent.mkdir(parents=True)
-    cache_dir(PROFILES["quick"]).write_text("not a folder")
+    run_dir(SETUPS["quick"]).parent.mkdir(parents=True)
+    run_dir(SETUPS["quick"]).write_text("not a folder")
     monkeypatch.setattr(translation, "load_splits", lambda *a: pytest.fail("work started"))
     with pytest.raises(ValueError, match="checkpoint_dir: expected a directory"):
-        translation.run_translation(PROFILES["quick"])
+        translation.run_translation(SETUPS["quick"])
+
+
+def test_pad_batch_pads_on_the_right_to_the_longest():
+    assert pad_batch([[5, 6, 7], [8], [9, 10]], 0).tolist() == [[5, 6, 7], [8, 0, 0], [9, 10, 0]]
+
+
+def _translation_setup():
+    tokenizer = BPETokenizer.train("hola mundo " * 5, 270, special_tokens=["<pad>", "<s>", "</s>"])
+    vocab, pad = tokenizer.vocab_size, tokenizer.special_tokens["<pad>"]
+    cfg = Seq2SeqConfig(
+        src_vocab=vocab,
+        tgt_vocab=vocab,
+        d_model=16,
+        n_heads=4,
+        n_layers=2,
+        d_mlp=24,
+        dropout=0.0,
+        max_len=32,
+        pad_id=pad,
+    )
+    model = EncoderDecoderTransformer(cfg)
+    return model, tokenizer
+
+
+def test_translate_refuses_bad_settings_instead_of_guessing():
+    model, tokenizer = _translation_setup()
+    with pytest.raises(ValueError, match=r"max_len: expected an int >= 1 and <= 32, got 0"):
+        translate(model, ["hello"], tokenizer, max_len=0)
+    with pytest.raises(ValueError, match="batch_size: expected a positive int, got 0"):
+        translate(model, ["hello"], tokenizer, batch_size=0)
+    plain = BPETokenizer.train("hello", 260)
+    with pytest.raises(ValueError, match=r"src_tokenizer: expected the .* missing \[.</s>.\]"):
+        translate(model, ["hello"], plain, tokenizer)
+    with pytest.raises(ValueError, match=r"tgt_tokenizer: .* missing \['<s>', '</s>'\]"):
+        translate(model, ["hello"], tokenizer, plain)
+    assert len(translate(model, ["hello", "hola"], tokenizer, max_len=3)) == 2

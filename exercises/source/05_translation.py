@@ -5,8 +5,9 @@
 #
 # 1. the sinusoidal positional encoding;
 # 2. the token embedding, scaled by $\sqrt{d_\text{model}}$, plus the positions;
-# 3. an encoder block: self-attention over the whole source, then the MLP;
-# 4. a decoder block: masked self-attention, cross-attention to the source, MLP;
+# 3. the residual sublayer, pre-LN and post-LN: the wiring around every attention and MLP;
+# 4. one block for both stacks: self-attention (causal in the decoder), cross-attention to the
+#    source (in the decoder), then the MLP;
 # 5. the model that assembles your embedding and blocks into an encoder and a decoder;
 # 6. the label-smoothed cross-entropy loss;
 # 7. the paper's learning-rate schedule;
@@ -19,36 +20,35 @@
 
 # %% tags=nbval-ignore-output
 import math
-from typing import Any
+from collections.abc import Callable
+from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
 from jaxtyping import Bool, Float, Int
 from torch import Tensor, nn
+from transformer_lens.hook_points import HookPoint
+from transformer_lens.HookedRootModule import HookedRootModule
 
+from transformer_course import validate
 from transformer_course.attention import MultiHeadAttention, set_fast_path
 from transformer_course.blocks import MLP
 from transformer_course.checks.encoder_decoder import (
     check_beam_search,
-    check_decoder_block,
-    check_encoder_block,
     check_encoder_decoder,
     check_greedy_decode,
     check_inverse_sqrt_lr,
     check_label_smoothing,
     check_positional_encoding,
+    check_residual_sublayer,
+    check_seq2seq_block,
     check_token_embedding,
 )
-from transformer_course.encoder_decoder import (
-    TOKEN_DTYPES,
-    Seq2SeqConfig,
-    _check_decode_args,
-    next_token_logits,
-    pad_batch,
-)
+from transformer_course.decoding import _validate_decode_args, next_token_logits
+from transformer_course.encoder_decoder import TOKEN_DTYPES, Seq2SeqConfig
 from transformer_course.layernorm import LayerNorm
-from transformer_course.masking import causal_mask, padding_mask
-from transformer_course.runtime import describe, pick, seed_everything
+from transformer_course.masking import padding_mask
+from transformer_course.runtime import describe, evaluating, pick, seed_everything
 
 seed_everything(0)
 print(describe())
@@ -93,68 +93,86 @@ check_positional_encoding(sinusoidal_positional_encoding)
 check_token_embedding(TokenEmbedding)
 
 # %% [markdown]
-# ## Exercise 5.3: an encoder block
+# ## Exercise 5.3: the residual sublayer
 #
-# Two sublayers, each wrapped in dropout, a residual connection and a layer norm: self-attention
-# over the whole source (every source token may look at every other, except padding:
-# `src_mask`), then the position-wise MLP. With `norm="post"` (the paper) the norm comes after
-# the sum: `x = ln(x + dropout(sublayer(x)))`; with `norm="pre"` before the sublayer:
-# `x = x + dropout(sublayer(ln(x)))`. `self.pre_norm` tells you which.
+# Every attention and every MLP of the model sits in the same wiring: its output goes through
+# dropout, is added to the residual stream, and a layer norm keeps the stream's scale in check.
+# Where the norm goes is the difference between the paper's **post-LN** and the **pre-LN** that
+# GPT-2 and most modern models use (chapter 4):
+#
+# * `norm="post"` normalises the sum, after the residual add:
+#   `ln(resid + dropout(sublayer(resid)))`;
+# * `norm="pre"` normalises only the sublayer's input and leaves the stream itself untouched:
+#   `resid + dropout(sublayer(ln(resid)))`.
+#
+# `sublayer` is any function of the stream (an attention, the MLP); `ln` a layer norm;
+# `dropout` a dropout module. Pass what the sublayer adds to the stream, after dropout, through
+# `hook_out` (a TransformerLens hook point, so it can be inspected) and add what `hook_out`
+# returns: a hook may replace the tensor.
 
-# %% [exercise] transformer_course.encoder_decoder:EncoderBlock blank=forward difficulty=2 importance=5 minutes=15
-# hint: Self-attention takes its queries, keys and values from `x`; `src_mask` hides the padding.
-# hint: Post-LN: `x = self.ln1(x + self.dropout(self.attn(x, mask=src_mask)))`; the MLP
-#   sublayer is the same with `ln2`. Pre-LN moves the norm onto the sublayer's input.
+# %% [exercise] transformer_course.blocks:residual_sublayer difficulty=2 importance=5 minutes=10
+# hint: Compute what the sublayer adds first: dropout of the sublayer's output, passed through
+#   `hook_out`. Which input the sublayer reads depends on `norm`.
+# hint: Pre-LN adds that to `resid` as it is; post-LN normalises the sum `resid + out`, so the
+#   norm comes after the add.
 
 # %% [check]
-check_encoder_block(EncoderBlock)
+check_residual_sublayer(residual_sublayer)
 
 # %% [markdown]
-# ## Exercise 5.4: a decoder block
+# ## Exercise 5.4: one block for the encoder and the decoder
 #
-# Three sublayers, each wrapped in dropout, a residual connection and a layer norm:
+# The encoder and the decoder are built from the same block, with two switches:
 #
-# 1. masked self-attention over the target so far (`tgt_mask` is causal: no peeking ahead);
-# 2. cross-attention: queries from the decoder, keys and values from the encoder's output
-#    `memory` (`src_mask` hides the source padding);
-# 3. the position-wise MLP.
+# * `causal`: the decoder's self-attention must not see later target positions (a position
+#   would read the very token it must predict); the encoder's sees the whole source.
+#   `MultiHeadAttention(x, mask=..., causal=...)` adds the causal mask for you.
+# * `cross_attention`: the decoder's block has a second attention between self-attention and
+#   the MLP, **cross-attention**: queries from the residual stream, keys and values from
+#   `context`, the encoder's output. `context_mask` hides the source padding.
 #
-# With `norm="post"` (the paper) the norm comes after the sum: `x = ln(x + dropout(sublayer(x)))`.
-# With `norm="pre"` it comes before the sublayer: `x = x + dropout(sublayer(ln(x)))`.
-# `self.pre_norm` tells you which one to use.
+# Write `forward` with your `residual_sublayer` from exercise 5.3, once per sublayer, each with
+# its own layer norm (`ln1` for self-attention, `ln_cross` for cross-attention, `ln2` for the
+# MLP), `self.dropout`, and its hook (`hook_attn_out`, `hook_cross_attn_out`, `hook_mlp_out`).
+# Pass the stream through `hook_resid_pre` first, `hook_resid_mid` after self-attention,
+# `hook_resid_mid_cross` after cross-attention and `hook_resid_post` last. `mask` (from the
+# padding of the stream's own tokens) goes to the self-attention.
 
-# %% [exercise] transformer_course.encoder_decoder:DecoderBlock blank=forward difficulty=3 importance=5 minutes=20
-# hint: Three sublayers in order: masked self-attention, cross-attention, MLP; each wrapped in
-#   dropout, a residual sum and a layer norm.
-# hint: Cross-attention takes its queries from the decoder and its keys and values from `memory`;
-#   which mask hides the source padding?
-# hint: `self.pre_norm` chooses `x = x + dropout(sublayer(ln(x)))` over `x = ln(x +
-#   dropout(sublayer(x)))`.
+# %% [exercise] transformer_course.blocks:TransformerBlock blank=forward difficulty=3 importance=5 minutes=25
+# hint: Three sublayers in order: self-attention, cross-attention (only when
+#   `self.cross_attention`), the MLP. Each is one call of `residual_sublayer`; the attention
+#   ones need a small function of the stream that calls the attention module.
+# hint: Self-attention attends from the stream to itself with `mask` and `causal=self.causal`;
+#   cross-attention takes its queries from the stream and its keys and values from `context`,
+#   hidden where `context_mask` says.
+# hint: Call `self._validate_inputs(resid, context)` first for clear errors, and give
+#   `residual_sublayer` `norm=self.norm` and `dropout=self.dropout` every time.
 
 # %% [check]
-check_decoder_block(DecoderBlock)
+check_seq2seq_block(TransformerBlock)
 
 # %% [markdown]
 # ## Exercise 5.5: the whole model
 #
 # The class below assembles your parts: `src_embed` and `tgt_embed` are your `TokenEmbedding`
 # (one shared table when `cfg.share_embeddings`), `encoder` and `decoder` are stacks of your
-# blocks. Write the two halves:
+# `TransformerBlock` (non-causal without cross-attention; causal with it). Write the two halves:
 #
 # * `encode(src)`: embed the source, run every encoder block with the source padding mask
 #   (`self.src_mask(src)`), and with pre-LN finish with `self.ln_enc` (pre-LN blocks never
 #   normalise the stream itself).
-# * `decode(tgt, memory, src_mask)`: embed the target; every decoder block gets the causal mask
-#   **and** the target's own padding mask (`&`), the memory and `src_mask`; with pre-LN finish
-#   with `self.ln_dec`; the logits are `x @ W_U + b_U`, where `W_U` is `tgt_embed.W_E.T` when the
-#   embeddings are tied (`cfg.tie_embeddings`, as in the paper) and `self.W_U` otherwise.
+# * `decode(tgt, memory, src_mask)`: embed the target; every decoder block gets the target's
+#   own padding mask (the blocks add the causal part themselves), the memory as `context` and
+#   `src_mask` as `context_mask`; with pre-LN finish with `self.ln_dec`; the logits are
+#   `x @ W_U + b_U`, where `W_U` is `tgt_embed.W_E.T` when the embeddings are tied
+#   (`cfg.tie_embeddings`, as in the paper) and `self.W_U` otherwise.
 #
 # Check the token ids first (`self._validate_tokens`, given), so a bad id gives a clear error.
 
 # %% [exercise] transformer_course.encoder_decoder:EncoderDecoderTransformer blank=encode,decode difficulty=3 importance=5 minutes=25
 # hint: `encode` is a loop over `self.encoder`, each block called as `block(x, mask)`.
-# hint: `decode` builds `causal_mask(tgt_len, device=tgt.device) & padding_mask(tgt, pad_id)`
-#   once and passes it, with `memory` and `src_mask`, to every decoder block.
+# hint: `decode` builds `padding_mask(tgt, pad_id)` once and passes it to every decoder block,
+#   with `context=memory` and `context_mask=src_mask`.
 
 # %% [check]
 check_encoder_decoder(EncoderDecoderTransformer)
@@ -203,9 +221,10 @@ check_inverse_sqrt_lr(inverse_sqrt_lr)
 # so far, take the most likely next token at the last position and append it. A row is finished
 # when it produces `</s>` (keep appending padding to it while the others go on); stop when every
 # row is finished or after `max_len` new tokens. Return the generated ids without `<s>` and
-# `</s>`.
+# `</s>`. Decode in evaluation mode: `with evaluating(model):` switches dropout off and
+# gradients with it, and gives the model its own mode back afterwards.
 
-# %% [exercise] transformer_course.encoder_decoder:greedy_decode difficulty=3 importance=5 minutes=25
+# %% [exercise] transformer_course.decoding:greedy_decode difficulty=3 importance=5 minutes=25
 # hint: Encode once; start every row with `bos_id`; each step decodes everything generated so far
 #   and appends the most likely next token of the last position (`next_token_logits` gives
 #   those logits and refuses NaN).
@@ -228,7 +247,7 @@ check_greedy_decode(greedy_decode)
 # after `max_len` steps, and return the best one (without `<s>` and `</s>`) for each source row.
 # A beam of one is greedy decoding.
 
-# %% [exercise] transformer_course.encoder_decoder:beam_search difficulty=4 importance=3 minutes=40
+# %% [exercise] transformer_course.decoding:beam_search difficulty=4 importance=3 minutes=40
 # hint: Decode one source row at a time: encode it once, and keep a (beams, length) tensor of
 #   live hypotheses with a (beams,) tensor of their scores, starting from `<s>` and 0.
 # hint: Each step: `log_softmax` of the last position's logits for every live beam, add each
@@ -243,23 +262,32 @@ check_beam_search(beam_search)
 # %% [markdown]
 # ## Your translator
 #
-# Everything is in place: your embedding, blocks and model, your loss and schedule, your
-# decoding. Train the model on Tatoeba English→Spanish pairs of at most six words with the
-# course's training loop (`transformer_course.training.train`, chapter 5's shared loop), your
-# `label_smoothed_cross_entropy` as the loss and your `inverse_sqrt_lr` as the schedule. The
-# data pipeline comes from `transformer_course.translation`: one byte-level BPE vocabulary for
-# both languages, and batches of sentences of similar length. The test sentences were never
-# seen in training: the split is by English sentence. A few minutes of CPU training give rough
-# but recognisable Spanish; the book page trains longer.
+# Everything is in place: your embedding, your residual sublayer and block, your model, your
+# loss and schedule, your decoding. Train the model on Tatoeba English→Spanish pairs of at most
+# six words with the course's training loop (`transformer_course.training.train`, chapter 5's
+# shared loop), your `label_smoothed_cross_entropy` as the loss and your `inverse_sqrt_lr` as the
+# schedule. The data pipeline comes from `transformer_course.translation`: one byte-level BPE
+# vocabulary for both languages, and batches of sentences of similar length. The test sentences
+# were never seen in training: the split is by English sentence. A few minutes of CPU training
+# give rough but recognisable Spanish; the book page trains longer.
 
 # %% [check] tags=nbval-ignore-output
 from transformer_course.training import TrainConfig, train
 from transformer_course.translation import (
-    BOS, EOS, PAD, PROFILES, LengthBatches, corpus_bleu, load_splits, model_config,
-    references_by_source, train_tokenizer,
+    BOS,
+    EOS,
+    PAD,
+    SETUPS,
+    LengthBatches,
+    corpus_bleu,
+    load_splits,
+    model_config,
+    pad_batch,
+    references_by_source,
+    train_tokenizer,
 )
 
-setup = PROFILES["quick"]
+setup = SETUPS["quick"]
 splits = load_splits(setup.max_words)
 tokenizer = train_tokenizer(splits["train"], setup.vocab_size)
 pad, bos, eos = (tokenizer.special_tokens[t] for t in (PAD, BOS, EOS))
@@ -271,7 +299,8 @@ set_fast_path(model, True)  # PyTorch's fused attention kernel: faster training
 def loss_fn(model, batch):
     src, tgt_in, tgt_out = batch
     logits = model(src, tgt_in)
-    return label_smoothed_cross_entropy(logits, tgt_out, smoothing=setup.label_smoothing, ignore_index=pad)
+    smoothing = setup.label_smoothing
+    return label_smoothed_cross_entropy(logits, tgt_out, smoothing=smoothing, ignore_index=pad)
 
 
 def schedule(step):

@@ -1,13 +1,16 @@
 """The transformer block: attention and an MLP, each wrapped in a residual connection and a
-layer norm. Shared by the chapter 4 experiment and GPT-2 (chapter 6).
+layer norm. One block serves the encoder and the decoder of chapter 5, the chapter 4
+experiment and GPT-2 (chapter 6).
 
 Names follow TransformerLens (`ln1`, `attn`, `ln2`, `mlp`, `W_in`, `hook_resid_pre`, ...), so a
 TransformerLens `TransformerBlock` state dict loads directly and `run_with_cache` shows the same
-activations under the same names.
+activations under the same names. The decoder's cross-attention, which TransformerLens does not
+have, adds `ln_cross`, `cross_attn`, `hook_cross_attn_out` and `hook_resid_mid_cross`.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Literal
 
 import einops
@@ -22,7 +25,7 @@ from transformer_course import validate
 from transformer_course.attention import MultiHeadAttention
 from transformer_course.layernorm import LayerNorm
 
-__all__ = ["ACTIVATIONS", "MLP", "TransformerBlock"]
+__all__ = ["ACTIVATIONS", "MLP", "TransformerBlock", "residual_sublayer"]
 
 ACTIVATIONS = {
     "gelu_new": lambda x: F.gelu(x, approximate="tanh"),  # GPT-2's tanh approximation of GELU
@@ -36,15 +39,15 @@ class MLP(nn.Module):
 
     Each position goes through the same two linear maps on its own; this is where most of a
     transformer's parameters live (with d_mlp = 4 d_model, two thirds of each block's).
+
+    Course: chapter 6, exercise 6.4, checked by checks.gpt2.check_mlp.
     """
 
     def __init__(self, d_model: int, d_mlp: int, act_fn: str = "gelu_new"):
         super().__init__()
-        for name, value in (("d_model", d_model), ("d_mlp", d_mlp)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name}: expected a positive int, got {value!r}")
-        if act_fn not in ACTIVATIONS:
-            raise ValueError(f"act_fn: expected one of {sorted(ACTIVATIONS)}, got {act_fn!r}")
+        validate.positive_int("d_model", d_model)
+        validate.positive_int("d_mlp", d_mlp)
+        validate.one_of("act_fn", act_fn, ACTIVATIONS)
         self.d_model, self.d_mlp, self.act_fn = d_model, d_mlp, act_fn
         self.W_in = nn.Parameter(torch.empty(d_model, d_mlp))
         self.b_in = nn.Parameter(torch.zeros(d_mlp))
@@ -57,24 +60,52 @@ class MLP(nn.Module):
 
     def forward(self, x: Float[Tensor, "*batch d_model"]) -> Float[Tensor, "*batch d_model"]:
         validate.last_dim(x, self.d_model)
-        pre = self.hook_pre(einops.einsum(x, self.W_in, "... d_model, d_model d_mlp -> ... d_mlp") + self.b_in)
+        pre = self.hook_pre(
+            einops.einsum(x, self.W_in, "... d_model, d_model d_mlp -> ... d_mlp") + self.b_in
+        )
         post = self.hook_post(ACTIVATIONS[self.act_fn](pre))
-        return einops.einsum(post, self.W_out, "... d_mlp, d_mlp d_model -> ... d_model") + self.b_out
+        return (
+            einops.einsum(post, self.W_out, "... d_mlp, d_mlp d_model -> ... d_model") + self.b_out
+        )
+
+
+def residual_sublayer(
+    resid: Float[Tensor, "batch pos d_model"],
+    sublayer: Callable[[Tensor], Tensor],
+    ln: nn.Module,
+    *,
+    norm: Literal["pre", "post"],
+    dropout: Callable[[Tensor], Tensor],
+    hook_out: Callable[[Tensor], Tensor],
+) -> Float[Tensor, "batch pos d_model"]:
+    """One sublayer (an attention or the MLP) with its dropout, residual connection and norm.
+
+    Pre-LN (GPT-2, most modern models) normalises the sublayer's *input* and leaves the
+    residual stream itself untouched; post-LN (the original transformer) normalises the *sum*:
+
+        norm="pre":   resid + dropout(sublayer(ln(resid)))
+        norm="post":  ln(resid + dropout(sublayer(resid)))
+
+    `hook_out` receives what the sublayer adds to the stream (after dropout), and what it
+    returns is what gets added, so a hook can patch it.
+
+    Course: chapter 5, exercise 5.3, checked by checks.encoder_decoder.check_residual_sublayer.
+    """
+    if norm == "pre":
+        return resid + hook_out(dropout(sublayer(ln(resid))))
+    return ln(resid + hook_out(dropout(sublayer(resid))))
 
 
 class TransformerBlock(HookedRootModule):
-    """A decoder-only block: causal self-attention, then an MLP, each added to the residual stream.
+    """Self-attention, optionally cross-attention, then an MLP: each a `residual_sublayer`.
 
-    `norm="pre"` (GPT-2, most modern models) normalises each sublayer's *input* and leaves the
-    residual stream itself untouched:
+    `causal=True` (GPT-2, the decoder) hides from each position the positions after it;
+    `causal=False` (the encoder) lets every position see every other. `cross_attention=True`
+    (the decoder) adds a second attention whose queries come from the residual stream and whose
+    keys and values come from `context`, the encoder's output. `norm` is "pre" or "post" (see
+    `residual_sublayer`); `dropout` (default 0) applies to each sublayer's output.
 
-        x = x + attn(ln1(x));  x = x + mlp(ln2(x))
-
-    `norm="post"` (the original transformer) normalises *after* each residual addition:
-
-        x = ln1(x + attn(x));  x = ln2(x + mlp(x))
-
-    `dropout` (default 0) is applied to each sublayer's output before it is added, as in GPT-2.
+    Course: chapter 5, exercise 5.4, checked by checks.encoder_decoder.check_seq2seq_block.
     """
 
     def __init__(
@@ -84,51 +115,90 @@ class TransformerBlock(HookedRootModule):
         d_head: int,
         d_mlp: int,
         *,
-        ln_eps: float = 1e-5,
+        layer_norm_eps: float = 1e-5,
         norm: Literal["pre", "post"] = "pre",
         act_fn: str = "gelu_new",
         dropout: float = 0.0,
+        causal: bool = True,
+        cross_attention: bool = False,
     ):
         super().__init__()
-        if norm not in ("pre", "post"):
-            raise ValueError(f"norm: expected 'pre' or 'post', got {norm!r}")
-        if not 0.0 <= dropout < 1.0:
-            raise ValueError(f"dropout: expected a probability in [0, 1), got {dropout!r}")
+        validate.one_of("norm", norm, ("pre", "post"))
+        validate.probability("dropout", dropout)
+        validate.flag("causal", causal)
+        validate.flag("cross_attention", cross_attention)
         self.d_model, self.norm = d_model, norm
-        self.ln1 = LayerNorm(d_model, eps=ln_eps)
+        self.causal, self.cross_attention = causal, cross_attention
+        self.ln1 = LayerNorm(d_model, eps=layer_norm_eps)
         self.attn = MultiHeadAttention(d_model, n_heads, d_head)
-        self.ln2 = LayerNorm(d_model, eps=ln_eps)
+        if cross_attention:
+            self.ln_cross = LayerNorm(d_model, eps=layer_norm_eps)
+            self.cross_attn = MultiHeadAttention(d_model, n_heads, d_head)
+        self.ln2 = LayerNorm(d_model, eps=layer_norm_eps)
         self.mlp = MLP(d_model, d_mlp, act_fn=act_fn)
         self.dropout = nn.Dropout(dropout)
         self.hook_resid_pre = HookPoint()  # [batch, pos, d_model]
-        self.hook_attn_out = HookPoint()  # [batch, pos, d_model]: what attention adds to the stream
-        self.hook_resid_mid = HookPoint()  # [batch, pos, d_model]
-        self.hook_mlp_out = HookPoint()  # [batch, pos, d_model]: what the MLP adds to the stream
+        self.hook_attn_out = HookPoint()  # [batch, pos, d_model]: what self-attention adds
+        self.hook_resid_mid = HookPoint()  # [batch, pos, d_model]: after self-attention
+        if cross_attention:
+            self.hook_cross_attn_out = HookPoint()  # [batch, pos, d_model]: what it adds
+            self.hook_resid_mid_cross = HookPoint()  # [batch, pos, d_model]: after it
+        self.hook_mlp_out = HookPoint()  # [batch, pos, d_model]: what the MLP adds
         self.hook_resid_post = HookPoint()  # [batch, pos, d_model]
         self.setup()
+
+    def _validate_inputs(self, resid: Tensor, context: Tensor | None) -> None:
+        if not isinstance(resid, Tensor) or resid.ndim != 3:
+            got = (
+                f"shape {tuple(resid.shape)}" if isinstance(resid, Tensor) else type(resid).__name__
+            )
+            raise ValueError(
+                f"resid: expected shape (batch, pos, d_model={self.d_model}), got {got}"
+            )
+        validate.last_dim(resid, self.d_model, name="resid")
+        if resid.shape[1] == 0:
+            raise ValueError(
+                f"resid: expected at least one position, got shape {tuple(resid.shape)}"
+            )
+        if self.cross_attention and context is None:
+            raise ValueError(
+                f"context: expected the encoder output, shape (batch, context_pos, "
+                f"d_model={self.d_model}), for the cross-attention, got None"
+            )
+        if not self.cross_attention and context is not None:
+            raise ValueError(
+                "context: expected None (the block has no cross-attention; build it with "
+                "cross_attention=True), got a tensor"
+            )
 
     def forward(
         self,
         resid: Float[Tensor, "batch pos d_model"],
         mask: Bool[Tensor, "... pos pos"] | None = None,
+        context: Float[Tensor, "batch context_pos d_model"] | None = None,
+        context_mask: Bool[Tensor, "... pos context_pos"] | None = None,
     ) -> Float[Tensor, "batch pos d_model"]:
-        """Run the block. Attention is always causal; `mask` (True = may attend), e.g.
-        `padding_mask(tokens, pad_id)`, further restricts which keys each query sees."""
-        if not isinstance(resid, Tensor) or resid.ndim != 3:
-            got = f"shape {tuple(resid.shape)}" if isinstance(resid, Tensor) else type(resid).__name__
-            raise ValueError(f"resid: expected shape (batch, pos, d_model={self.d_model}), got {got}")
-        validate.last_dim(resid, self.d_model, name="resid")
-        if resid.shape[1] == 0:
-            raise ValueError(f"resid: expected at least one position, got shape {tuple(resid.shape)}")
-
+        """Run the block. `mask` (True = may attend), e.g. `padding_mask(tokens, pad_id)`,
+        restricts the keys self-attention sees, on top of the causal mask when `self.causal`.
+        `context` and `context_mask` feed the cross-attention: the encoder's output and the
+        source padding mask."""
+        self._validate_inputs(resid, context)
+        wiring = dict(norm=self.norm, dropout=self.dropout)
         resid = self.hook_resid_pre(resid)
-        if self.norm == "pre":
-            attn_out = self.attn(self.ln1(resid), mask=mask, causal=True)
-            attn_out = self.hook_attn_out(self.dropout(attn_out))
-            resid = self.hook_resid_mid(resid + attn_out)
-            mlp_out = self.hook_mlp_out(self.dropout(self.mlp(self.ln2(resid))))
-            return self.hook_resid_post(resid + mlp_out)
-        attn_out = self.hook_attn_out(self.dropout(self.attn(resid, mask=mask, causal=True)))
-        resid = self.hook_resid_mid(self.ln1(resid + attn_out))
-        mlp_out = self.hook_mlp_out(self.dropout(self.mlp(resid)))
-        return self.hook_resid_post(self.ln2(resid + mlp_out))
+
+        def attend(x: Tensor) -> Tensor:
+            return self.attn(x, mask=mask, causal=self.causal)
+
+        resid = residual_sublayer(resid, attend, self.ln1, hook_out=self.hook_attn_out, **wiring)
+        resid = self.hook_resid_mid(resid)
+        if self.cross_attention:
+
+            def attend_to_context(x: Tensor) -> Tensor:
+                return self.cross_attn(x, context, mask=context_mask)
+
+            resid = residual_sublayer(
+                resid, attend_to_context, self.ln_cross, hook_out=self.hook_cross_attn_out, **wiring
+            )
+            resid = self.hook_resid_mid_cross(resid)
+        resid = residual_sublayer(resid, self.mlp, self.ln2, hook_out=self.hook_mlp_out, **wiring)
+        return self.hook_resid_post(resid)

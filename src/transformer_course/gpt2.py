@@ -194,7 +194,7 @@ class GPT2(HookedRootModule):
                 cfg.n_heads,
                 cfg.d_head,
                 cfg.d_mlp,
-                ln_eps=cfg.layer_norm_eps,
+                layer_norm_eps=cfg.layer_norm_eps,
                 norm="pre",
                 act_fn=cfg.act_fn,
                 dropout=cfg.dropout,

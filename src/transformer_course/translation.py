@@ -1,4 +1,5 @@
-"""English → Spanish translation on Tatoeba: data split, tokenizer, batching, training and BLEU.
+"""English → Spanish translation on Tatoeba: data split, tokenizer and special tokens, batches
+and the teacher-forcing loss, `translate` from strings to strings, training and BLEU.
 
 The split is made **by English sentence**: Tatoeba often lists several Spanish translations of
 one English sentence, and all of them go to the same split, so no test source sentence is ever
@@ -38,23 +39,20 @@ from pathlib import Path
 import sacrebleu
 import torch
 import torch.nn.functional as F
-from torch import Tensor
+from jaxtyping import Float, Int
+from torch import Tensor, nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from transformer_course import validate
 from transformer_course.attention import set_fast_path
 from transformer_course.data import load_translation_pairs
+from transformer_course.decoding import beam_search, greedy_decode
 from transformer_course.encoder_decoder import (
-    BOS,
-    EOS,
-    PAD,
-    UNK,
     EncoderDecoderTransformer,
     Seq2SeqConfig,
-    pad_batch,
-    seq2seq_loss,
-    translate,
+    label_smoothed_cross_entropy,
 )
-from transformer_course.runtime import get_device, get_profile
+from transformer_course.runtime import evaluating, get_device, get_profile
 from transformer_course.tokenization import GPT2_SPLIT_PATTERN, BPETokenizer
 from transformer_course.training import (
     CHECKPOINT_NAME,
@@ -64,7 +62,9 @@ from transformer_course.training import (
     train,
 )
 
-Pair = tuple[str, str]
+SentencePair = tuple[str, str]  # (English, Spanish)
+# The special tokens a translation tokenizer carries.
+PAD, BOS, EOS, UNK = "<pad>", "<s>", "</s>", "<unk>"
 SPLIT_SEED = 2017
 N_VALID, N_TEST = 1000, 2000  # English sentences (each with all its translations)
 SPECIAL_TOKENS = (PAD, BOS, EOS, UNK)  # <unk> is reserved: byte-level BPE can encode any text
@@ -76,7 +76,10 @@ ATTENTION_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION
 
 @dataclass(frozen=True)
 class TranslationSetup:
-    """Data, model and training sizes for one profile."""
+    """Data, model and training sizes for one profile.
+
+    Course: chapter 5.
+    """
 
     name: str
     max_words: int  # keep pairs whose sentences both have at most this many words
@@ -84,7 +87,7 @@ class TranslationSetup:
     d_model: int
     n_heads: int
     n_layers: int
-    d_ff: int
+    d_mlp: int
     dropout: float
     batch_size: int  # sentence pairs per step
     max_steps: int
@@ -96,14 +99,36 @@ class TranslationSetup:
     length_buckets: tuple[int, ...] = ()  # pad lengths up to these (empty: to each batch's longest)
 
 
-PROFILES = {
+SETUPS = {
     "quick": TranslationSetup(
-        name="quick", max_words=6, vocab_size=2000, d_model=128, n_heads=4, n_layers=2, d_ff=512, dropout=0.1,
-        batch_size=64, max_steps=3000, lr=2e-3, warmup_steps=150, eval_every=500,
+        name="quick",
+        max_words=6,
+        vocab_size=2000,
+        d_model=128,
+        n_heads=4,
+        n_layers=2,
+        d_mlp=512,
+        dropout=0.1,
+        batch_size=64,
+        max_steps=3000,
+        lr=2e-3,
+        warmup_steps=150,
+        eval_every=500,
     ),
     "full": TranslationSetup(
-        name="full", max_words=30, vocab_size=8000, d_model=512, n_heads=8, n_layers=6, d_ff=2048, dropout=0.1,
-        batch_size=256, max_steps=30_000, lr=7e-4, warmup_steps=4000, eval_every=1000,
+        name="full",
+        max_words=30,
+        vocab_size=8000,
+        d_model=512,
+        n_heads=8,
+        n_layers=6,
+        d_mlp=2048,
+        dropout=0.1,
+        batch_size=256,
+        max_steps=30_000,
+        lr=7e-4,
+        warmup_steps=4000,
+        eval_every=1000,
         length_buckets=(8, 12, 16, 24, 32, 48, 64, 136),
     ),
 }
@@ -113,42 +138,70 @@ PROFILES = {
 
 
 def split_pairs(
-    pairs: Sequence[Pair], *, n_valid: int = N_VALID, n_test: int = N_TEST, seed: int = SPLIT_SEED
-) -> dict[str, list[Pair]]:
-    """Split into train/valid/test by English sentence: all translations of one sentence stay together."""
-    for name, value in (("n_valid", n_valid), ("n_test", n_test)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-            raise ValueError(f"{name}: expected an int >= 0, got {value!r}")
-    by_source: dict[str, list[Pair]] = defaultdict(list)
+    pairs: Sequence[SentencePair],
+    *,
+    n_valid: int = N_VALID,
+    n_test: int = N_TEST,
+    seed: int = SPLIT_SEED,
+) -> dict[str, list[SentencePair]]:
+    """Split into train/valid/test by English sentence: all translations of one sentence stay
+    together.
+
+    Course: chapter 5.
+    """
+    validate.integer("n_valid", n_valid, low=0)
+    validate.integer("n_test", n_test, low=0)
+    by_source: dict[str, list[SentencePair]] = defaultdict(list)
     for english, spanish in pairs:
         by_source[english].append((english, spanish))
     sources = sorted(by_source)
     if n_valid + n_test >= len(sources):
-        raise ValueError(f"n_valid + n_test: expected fewer than {len(sources)} distinct sources, got {n_valid + n_test}")
+        raise ValueError(
+            f"n_valid + n_test: expected fewer than {len(sources)} distinct sources, "
+            f"got {n_valid + n_test}"
+        )
     random.Random(seed).shuffle(sources)
-    parts = {"test": sources[:n_test], "valid": sources[n_test : n_test + n_valid], "train": sources[n_test + n_valid :]}
+    parts = {
+        "test": sources[:n_test],
+        "valid": sources[n_test : n_test + n_valid],
+        "train": sources[n_test + n_valid :],
+    }
     return {name: [pair for s in chosen for pair in by_source[s]] for name, chosen in parts.items()}
 
 
-def keep_short(pairs: Sequence[Pair], max_words: int) -> list[Pair]:
-    """Pairs whose English and Spanish sentences have at most `max_words` words each."""
+def keep_short(pairs: Sequence[SentencePair], max_words: int) -> list[SentencePair]:
+    """Pairs whose English and Spanish sentences have at most `max_words` words each.
+
+    Course: chapter 5.
+    """
     return [(e, s) for e, s in pairs if len(e.split()) <= max_words and len(s.split()) <= max_words]
 
 
-def load_splits(max_words: int) -> dict[str, list[Pair]]:
-    """Tatoeba English–Spanish, split by English sentence, then restricted to short sentences."""
+def load_splits(max_words: int) -> dict[str, list[SentencePair]]:
+    """Tatoeba English–Spanish, split by English sentence, then restricted to short sentences.
+
+    Course: chapter 5.
+    """
     splits = split_pairs(load_translation_pairs("spa-eng"))
     return {name: keep_short(pairs, max_words) for name, pairs in splits.items()}
 
 
-def train_tokenizer(pairs: Sequence[Pair], vocab_size: int) -> BPETokenizer:
-    """One byte-level BPE vocabulary for both languages, learned from the training pairs only."""
+def train_tokenizer(pairs: Sequence[SentencePair], vocab_size: int) -> BPETokenizer:
+    """One byte-level BPE vocabulary for both languages, learned from the training pairs only.
+
+    Course: chapter 5.
+    """
     text = "\n".join(f"{english}\n{spanish}" for english, spanish in pairs)
-    return BPETokenizer.train(text, vocab_size, pattern=GPT2_SPLIT_PATTERN, special_tokens=SPECIAL_TOKENS)
+    return BPETokenizer.train(
+        text, vocab_size, pattern=GPT2_SPLIT_PATTERN, special_tokens=SPECIAL_TOKENS
+    )
 
 
-def references_by_source(pairs: Sequence[Pair]) -> tuple[list[str], list[list[str]]]:
-    """Distinct English sentences and, for each, every Spanish translation in `pairs`."""
+def references_by_source(pairs: Sequence[SentencePair]) -> tuple[list[str], list[list[str]]]:
+    """Distinct English sentences and, for each, every Spanish translation in `pairs`.
+
+    Course: chapter 5.
+    """
     grouped: dict[str, list[str]] = defaultdict(list)
     for english, spanish in pairs:
         grouped[english].append(spanish)
@@ -156,19 +209,50 @@ def references_by_source(pairs: Sequence[Pair]) -> tuple[list[str], list[list[st
     return sources, [grouped[s] for s in sources]
 
 
+def pad_batch(sequences: Sequence[Sequence[int]], pad_id: int) -> Int[Tensor, "batch pos"]:
+    """Right-pad lists of ids to the longest one.
+
+    Course: chapter 5.
+    """
+    width = max(len(s) for s in sequences)
+    return torch.tensor(
+        [list(s) + [pad_id] * (width - len(s)) for s in sequences], dtype=torch.long
+    )
+
+
+def seq2seq_loss(
+    model: nn.Module,
+    batch: tuple[Tensor, Tensor, Tensor],
+    *,
+    smoothing: float = 0.1,
+    pad_id: int = 0,
+) -> Float[Tensor, ""]:
+    """Teacher forcing: feed `<s> y1 .. yn`, predict `y1 .. yn </s>`; label-smoothed, padding
+    ignored.
+
+    Course: chapter 5.
+    """
+    src, tgt_in, tgt_out = batch
+    logits = model(src, tgt_in)
+    return label_smoothed_cross_entropy(logits, tgt_out, smoothing=smoothing, ignore_index=pad_id)
+
+
 class LengthBatches:
-    """`batches(step) -> (src, tgt_in, tgt_out)`: batches of pairs of similar length, in a seeded order.
+    """`batches(step) -> (src, tgt_in, tgt_out)`: batches of pairs of similar length, in a
+    seeded order.
 
     Grouping similar lengths wastes little compute on padding. With `buckets` (increasing
     lengths), each batch is padded further, up to the smallest bucket that holds it, so only a
     few shapes ever occur. The batch for a step depends only on the step (and the seed), so a
     resumed run sees exactly the data it would have seen.
+
+    Course: chapter 5.
     """
 
     def __init__(
         self,
         tokenizer: BPETokenizer,
-        pairs: Sequence[Pair],
+        pairs: Sequence[SentencePair],
         batch_size: int,
         *,
         seed: int = 0,
@@ -180,7 +264,10 @@ class LengthBatches:
             raise ValueError(f"buckets: expected increasing positive ints, got {tuple(buckets)}")
         self.pad, self.bos, self.eos = (tokenizer.special_tokens[t] for t in (PAD, BOS, EOS))
         self.examples = [(tokenizer.encode(e) + [self.eos], tokenizer.encode(s)) for e, s in pairs]
-        order = sorted(range(len(self.examples)), key=lambda i: (len(self.examples[i][0]), len(self.examples[i][1]), i))
+        order = sorted(
+            range(len(self.examples)),
+            key=lambda i: (len(self.examples[i][0]), len(self.examples[i][1]), i),
+        )
         self.batches = [order[i : i + batch_size] for i in range(0, len(order), batch_size)]
         self.seed, self.device, self.buckets = seed, device, tuple(buckets)
 
@@ -226,43 +313,120 @@ class LengthBatches:
 
     def __call__(self, step: int) -> tuple[Tensor, Tensor, Tensor]:
         epoch, k = divmod(step, len(self.batches))
-        order = torch.randperm(len(self.batches), generator=torch.Generator().manual_seed(self.seed * 100_003 + epoch))
+        order = torch.randperm(
+            len(self.batches), generator=torch.Generator().manual_seed(self.seed * 100_003 + epoch)
+        )
         return self.batch(self.batches[order[k]])
 
 
 def model_config(setup: TranslationSetup, tokenizer: BPETokenizer) -> Seq2SeqConfig:
+    """The model for `setup`: one vocabulary, one embedding matrix for both sides and the output.
+
+    Course: chapter 5.
+    """
     return Seq2SeqConfig(
-        src_vocab=tokenizer.vocab_size, tgt_vocab=tokenizer.vocab_size, d_model=setup.d_model,
-        n_heads=setup.n_heads, n_layers=setup.n_layers, d_ff=setup.d_ff, dropout=setup.dropout,
-        max_len=4 * setup.max_words + 16, pad_id=tokenizer.special_tokens[PAD],
-        share_embeddings=True, tie_embeddings=True,
+        src_vocab=tokenizer.vocab_size,
+        tgt_vocab=tokenizer.vocab_size,
+        d_model=setup.d_model,
+        n_heads=setup.n_heads,
+        n_layers=setup.n_layers,
+        d_mlp=setup.d_mlp,
+        dropout=setup.dropout,
+        max_len=4 * setup.max_words + 16,
+        pad_id=tokenizer.special_tokens[PAD],
+        share_embeddings=True,
+        tie_embeddings=True,
     )
 
 
 # Evaluation ----------------------------------------------------------------------------------
 
 
-@torch.no_grad()
-def mean_loss(model: EncoderDecoderTransformer, batches: LengthBatches, *, smoothing: float = 0.0) -> float:
-    """Token-weighted mean cross-entropy over every batch of `batches` (no label smoothing by default)."""
-    was_training = model.training
-    model.eval()
+def mean_loss(
+    model: EncoderDecoderTransformer, batches: LengthBatches, *, smoothing: float = 0.0
+) -> float:
+    """Token-weighted mean cross-entropy over every batch of `batches` (no label smoothing by
+    default).
+
+    Course: chapter 5.
+    """
     total, count = 0.0, 0
-    for indices in batches.batches:
-        batch = batches.batch(indices)
-        tokens = (batch[2] != batches.pad).sum()
-        total = total + seq2seq_loss(model, batch, smoothing=smoothing, pad_id=batches.pad) * tokens
-        count = count + tokens
-    model.train(was_training)
+    with evaluating(model):
+        for indices in batches.batches:
+            batch = batches.batch(indices)
+            tokens = (batch[2] != batches.pad).sum()
+            total = (
+                total + seq2seq_loss(model, batch, smoothing=smoothing, pad_id=batches.pad) * tokens
+            )
+            count = count + tokens
     return (total / count).item()  # one host synchronisation for the whole set
 
 
+def translate(
+    model: EncoderDecoderTransformer,
+    sentences: Sequence[str],
+    src_tokenizer: BPETokenizer,
+    tgt_tokenizer: BPETokenizer | None = None,
+    *,
+    beam_size: int = 1,
+    max_len: int | None = None,
+    batch_size: int = 64,
+) -> list[str]:
+    """Translate strings to strings: tokenize, decode greedily (`beam_size=1`) or with a beam,
+    detokenize.
+
+    The tokenizers must carry the special tokens `<pad> <s> </s>`; one tokenizer serves both
+    sides when the vocabulary is shared. `max_len=None` means the model's maximum.
+
+    Course: chapter 5.
+    """
+    if isinstance(sentences, str):
+        raise TypeError(
+            "sentences: expected a list of strings, got a single string (wrap it in a list)"
+        )
+    validate.positive_int("batch_size", batch_size)
+    tgt_tokenizer = tgt_tokenizer or src_tokenizer
+    for name, tokenizer, tokens in (
+        ("src_tokenizer", src_tokenizer, (EOS,)),
+        ("tgt_tokenizer", tgt_tokenizer, (BOS, EOS)),
+    ):
+        missing = [t for t in tokens if t not in getattr(tokenizer, "special_tokens", {})]
+        if missing:
+            raise ValueError(
+                f"{name}: expected the special tokens {list(tokens)}, missing {missing}"
+            )
+    src_eos = src_tokenizer.special_tokens[EOS]
+    ids = dict(bos_id=tgt_tokenizer.special_tokens[BOS], eos_id=tgt_tokenizer.special_tokens[EOS])
+    device = next(model.parameters()).device
+    max_len = model.cfg.max_len if max_len is None else max_len
+    out: list[str] = []
+    for start in range(0, len(sentences), batch_size):
+        chunk = sentences[start : start + batch_size]
+        src = pad_batch([src_tokenizer.encode(s) + [src_eos] for s in chunk], model.cfg.pad_id)
+        src = src.to(device)
+        if beam_size == 1:
+            decoded = greedy_decode(model, src, max_len=max_len, **ids)
+        else:
+            decoded = beam_search(model, src, max_len=max_len, beam_size=beam_size, **ids)
+        out += [tgt_tokenizer.decode(d) for d in decoded]
+    return out
+
+
 def translate_test(
-    model: EncoderDecoderTransformer, tokenizer: BPETokenizer, pairs: Sequence[Pair], *, beam_size: int = 1
+    model: EncoderDecoderTransformer,
+    tokenizer: BPETokenizer,
+    pairs: Sequence[SentencePair],
+    *,
+    beam_size: int = 1,
 ) -> tuple[list[str], list[str], list[list[str]]]:
-    """Translate each distinct English sentence of `pairs`: (sources, hypotheses, references)."""
+    """Translate each distinct English sentence of `pairs`: (sources, hypotheses, references).
+
+    Course: chapter 5.
+    """
     sources, references = references_by_source(pairs)
-    hypotheses = translate(model, sources, tokenizer, beam_size=beam_size, max_len=model.cfg.max_len)
+    hypotheses = translate(
+        model, sources, tokenizer, beam_size=beam_size, max_len=model.cfg.max_len
+    )
     return sources, hypotheses, references
 
 
@@ -273,6 +437,8 @@ def corpus_bleu(
 
     With `multi_reference` every Spanish translation Tatoeba lists counts (as in Papineni et al.'s
     multi-reference BLEU); otherwise only the first one does.
+
+    Course: chapter 5.
     """
     if not multi_reference:
         references = [refs[:1] for refs in references]
@@ -285,31 +451,50 @@ def corpus_bleu(
 
 
 def runs_root() -> Path:
-    """Where trained models are cached: `$TRANSFORMER_COURSE_RUNS`, else `runs/` at the repository root."""
+    """Where trained models are cached: `$TRANSFORMER_COURSE_RUNS`, else `runs/` at the
+    repository root.
+
+    Course: chapter 5.
+    """
     if os.environ.get("TRANSFORMER_COURSE_RUNS"):
         return Path(os.environ["TRANSFORMER_COURSE_RUNS"])
     root = Path(__file__).resolve().parents[2]
     return (root if (root / "pyproject.toml").exists() else Path.cwd()) / "runs"
 
 
-def cache_dir(setup: TranslationSetup) -> Path:
-    """A folder named by the profile and a hash of every setting that changes the trained model."""
-    key = json.dumps({**asdict(setup), "split": [SPLIT_SEED, N_VALID, N_TEST], "format": 1}, sort_keys=True)
-    return runs_root() / "translation" / f"{setup.name}-{hashlib.sha256(key.encode()).hexdigest()[:12]}"
+def run_dir(setup: TranslationSetup) -> Path:
+    """The run's folder, named by the profile and a hash of every setting that changes the
+    trained model (and of the format of what is saved there).
+
+    Course: chapter 5.
+    """
+    # The format changes when saved models stop loading (2: the encoder's and decoder's blocks
+    # became the one TransformerBlock, whose parameters are named differently).
+    settings = {**asdict(setup), "split": [SPLIT_SEED, N_VALID, N_TEST], "format": 2}
+    digest = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()
+    return runs_root() / "translation" / f"{setup.name}-{digest[:12]}"
 
 
 def is_trained(setup: TranslationSetup) -> bool:
-    """True if the cache holds a model of `setup` trained to its last step."""
-    path = cache_dir(setup) / CHECKPOINT_NAME
+    """True if the cache holds a model of `setup` trained to its last step.
+
+    Course: chapter 5.
+    """
+    path = run_dir(setup) / CHECKPOINT_NAME
     return path.exists() and read_checkpoint(path)["step"] >= setup.max_steps
 
 
 @dataclass
 class TranslationRun:
+    """What `run_translation` returns: the trained model and everything needed to use it.
+
+    Course: chapter 5.
+    """
+
     setup: TranslationSetup
     model: EncoderDecoderTransformer
     tokenizer: BPETokenizer
-    splits: dict[str, list[Pair]]
+    splits: dict[str, list[SentencePair]]
     history: History
     train_seconds: float  # 0 when everything came from the cache
 
@@ -317,12 +502,24 @@ class TranslationRun:
 def train_config(
     setup: TranslationSetup, *, progress: bool = True, log_every: int = 50
 ) -> TrainConfig:
-    """The training settings for `setup` (validated as a whole when built)."""
+    """The training settings for `setup` (validated as a whole when built).
+
+    Course: chapter 5.
+    """
     return TrainConfig(
-        max_steps=setup.max_steps, lr=setup.lr, warmup_steps=setup.warmup_steps,
-        lr_schedule="inverse_sqrt", betas=(0.9, 0.98), weight_decay=0.0, grad_clip=1.0,
-        eval_every=setup.eval_every, log_every=log_every, checkpoint_every=setup.eval_every,
-        checkpoint_dir=cache_dir(setup), seed=setup.seed, progress=progress,
+        max_steps=setup.max_steps,
+        lr=setup.lr,
+        warmup_steps=setup.warmup_steps,
+        lr_schedule="inverse_sqrt",
+        betas=(0.9, 0.98),
+        weight_decay=0.0,
+        grad_clip=1.0,
+        eval_every=setup.eval_every,
+        log_every=log_every,
+        checkpoint_every=setup.eval_every,
+        checkpoint_dir=run_dir(setup),
+        seed=setup.seed,
+        progress=progress,
     )
 
 
@@ -334,9 +531,13 @@ def run_translation(
     samples: Sequence[str] = SAMPLE_SENTENCES,
     on_log: Callable[[dict[str, float]], None] | None = None,
 ) -> TranslationRun:
-    """Train (or load from the cache, or resume) the model for `setup`; print sample translations as it goes."""
+    """Train (or load from the cache, or resume) the model for `setup`; print sample
+    translations as it goes.
+
+    Course: chapter 5.
+    """
     device = get_device()
-    folder = cache_dir(setup)
+    folder = run_dir(setup)
     train_config(setup, progress=progress, log_every=log_every)  # refused before any work
     folder.mkdir(parents=True, exist_ok=True)
     splits = load_splits(setup.max_words)
@@ -361,12 +562,17 @@ def run_translation(
 
     def evaluate(model: EncoderDecoderTransformer) -> dict[str, float]:
         if progress and samples:
-            for source, output in zip(samples, translate(model, list(samples), tokenizer, max_len=model.cfg.max_len)):
+            for source, output in zip(
+                samples, translate(model, list(samples), tokenizer, max_len=model.cfg.max_len)
+            ):
                 print(f"    {source} → {output}", flush=True)
         return {"valid_loss": mean_loss(model, valid_batches)}
 
     cfg = train_config(setup, progress=progress, log_every=log_every)
-    loss = lambda m, b: seq2seq_loss(m, b, smoothing=setup.label_smoothing, pad_id=train_batches.pad)  # noqa: E731
+
+    def loss(model: EncoderDecoderTransformer, batch: tuple[Tensor, Tensor, Tensor]) -> Tensor:
+        return seq2seq_loss(model, batch, smoothing=setup.label_smoothing, pad_id=train_batches.pad)
+
     started = time.perf_counter()
     with sdpa_kernel(ATTENTION_BACKENDS):
         history = train(model, cfg, train_batches, loss, evaluate=evaluate, on_log=on_log)
@@ -377,11 +583,23 @@ def run_translation(
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description="Train the English→Spanish Transformer and report test BLEU.")
-    parser.add_argument("--profile", choices=sorted(PROFILES), default=get_profile())
-    parser.add_argument("--max-steps", type=int, help="override the profile's number of training steps")
-    parser.add_argument("--beam-size", type=int, default=4, help="beam size for the BLEU evaluation (1 = greedy)")
-    parser.add_argument("--threads", type=int, help="CPU threads for PyTorch (1 is fastest on a busy machine)")
+    """`python -m transformer_course.translation`: train (or load) a profile, report test BLEU.
+
+    Course: chapter 5.
+    """
+    parser = argparse.ArgumentParser(
+        description="Train the English→Spanish Transformer and report test BLEU."
+    )
+    parser.add_argument("--profile", choices=sorted(SETUPS), default=get_profile())
+    parser.add_argument(
+        "--max-steps", type=int, help="override the profile's number of training steps"
+    )
+    parser.add_argument(
+        "--beam-size", type=int, default=4, help="beam size for the BLEU evaluation (1 = greedy)"
+    )
+    parser.add_argument(
+        "--threads", type=int, help="CPU threads for PyTorch (1 is fastest on a busy machine)"
+    )
     args = parser.parse_args(argv)
     limits = {"--max-steps": (args.max_steps, 0), "--beam-size": (args.beam_size, 1)}
     limits["--threads"] = (args.threads, 1)
@@ -390,7 +608,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             parser.error(f"{flag}: expected an int >= {low}, got {value}")
     if args.threads is not None:
         torch.set_num_threads(args.threads)
-    setup = PROFILES[args.profile]
+    setup = SETUPS[args.profile]
     if args.max_steps is not None:
         setup = replace(setup, max_steps=args.max_steps)
     try:
@@ -398,18 +616,27 @@ def main(argv: Sequence[str] | None = None) -> None:
     except ValueError as error:
         parser.error(str(error))
     print(f"profile {setup.name}: {setup}")
-    print(f"device {get_device()} | {platform.processor() or platform.machine()} | {os.cpu_count()} CPUs | torch threads {torch.get_num_threads()}")
+    machine = platform.processor() or platform.machine()
+    threads = torch.get_num_threads()
+    print(f"device {get_device()} | {machine} | {os.cpu_count()} CPUs | torch threads {threads}")
     run = run_translation(setup)
     n_params = sum(p.numel() for p in run.model.parameters())
-    print(f"{n_params / 1e6:.2f}M parameters; {len(run.splits['train'])} training pairs; "
-          f"training took {run.train_seconds:.0f}s (0 = loaded from {cache_dir(setup)})")
+    print(
+        f"{n_params / 1e6:.2f}M parameters; {len(run.splits['train'])} training pairs; "
+        f"training took {run.train_seconds:.0f}s (0 = loaded from {run_dir(setup)})"
+    )
     for beam in sorted({1, args.beam_size}):
         started = time.perf_counter()
-        _, hypotheses, references = translate_test(run.model, run.tokenizer, run.splits["test"], beam_size=beam)
+        _, hypotheses, references = translate_test(
+            run.model, run.tokenizer, run.splits["test"], beam_size=beam
+        )
         multi = corpus_bleu(hypotheses, references)
         single = corpus_bleu(hypotheses, references, multi_reference=False)
-        print(f"test BLEU (beam {beam}): {multi.score:.1f} with all references, {single.score:.1f} with one reference "
-              f"[{multi}] ({time.perf_counter() - started:.0f}s)")
+        print(
+            f"test BLEU (beam {beam}): {multi.score:.1f} with all references, "
+            f"{single.score:.1f} with one reference [{multi}] "
+            f"({time.perf_counter() - started:.0f}s)"
+        )
 
 
 if __name__ == "__main__":
