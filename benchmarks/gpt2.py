@@ -54,7 +54,9 @@ def flops_per_token(model: GPT2, seq_len: int) -> float:
     return 6 * flop_params(model) + 12 * cfg.n_layers * cfg.n_heads * cfg.d_head * seq_len
 
 
-def step_timer(model: torch.nn.Module, loss_of: Callable, tokens: torch.Tensor, amp: bool) -> Callable[[], float]:
+def step_timer(
+    model: torch.nn.Module, loss_of: Callable, tokens: torch.Tensor, amp: bool
+) -> Callable[[], float]:
     device = tokens.device
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
 
@@ -80,16 +82,27 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=30, help="timed steps per model")
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--compile", action="store_true")
-    parser.add_argument("--peak-tflops", type=float, default=989.0, help="device peak (H100 SXM dense bf16: 989)")
+    parser.add_argument(
+        "--peak-tflops", type=float, default=989.0, help="device peak (H100 SXM dense bf16: 989)"
+    )
     args = parser.parse_args()
 
     device = get_device()
     size = SIZES[args.size]
     amp = device.type == "cuda"
     hf_config = HFGPT2Config(
-        n_layer=size["n_layer"], n_head=size["n_head"], n_embd=size["n_embd"], vocab_size=size["vocab_size"],
-        n_positions=size["n_positions"], resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
-        bos_token_id=0, eos_token_id=0, tie_word_embeddings=False, attn_implementation="sdpa",
+        n_layer=size["n_layer"],
+        n_head=size["n_head"],
+        n_embd=size["n_embd"],
+        vocab_size=size["vocab_size"],
+        n_positions=size["n_positions"],
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        bos_token_id=0,
+        eos_token_id=0,
+        tie_word_embeddings=False,
+        attn_implementation="sdpa",
     )
     torch.manual_seed(0)
     hf = GPT2LMHeadModel(hf_config).to(device).train()
@@ -97,7 +110,9 @@ def main() -> None:
     if args.compile:
         hf.compile()
         ours.compile()
-    tokens = torch.randint(0, size["vocab_size"], (size["batch"], size["n_positions"]), device=device)
+    tokens = torch.randint(
+        0, size["vocab_size"], (size["batch"], size["n_positions"]), device=device
+    )
 
     timers = {
         "ours": step_timer(ours, lambda m, t: lm_loss(m(t)[:, :-1], t[:, 1:]), tokens, amp),
@@ -113,16 +128,25 @@ def main() -> None:
 
     per_token = flops_per_token(ours, tokens.shape[1])
     n_tokens = tokens.numel()
-    report = {"device": str(device), "size": args.size, "params": ours.num_params(),
-              "flop_params": flop_params(ours), "flops_per_token": per_token,
-              "batch": list(tokens.shape), "amp_bf16": amp, "compile": args.compile}
+    report = {
+        "device": str(device),
+        "size": args.size,
+        "params": ours.num_params(),
+        "flop_params": flop_params(ours),
+        "flops_per_token": per_token,
+        "batch": list(tokens.shape),
+        "amp_bf16": amp,
+        "compile": args.compile,
+    }
     for name, values in times.items():
         median = statistics.median(values)
         entry = {"step_ms": round(1000 * median, 2), "tokens_per_s": round(n_tokens / median)}
         if device.type == "cuda":
             entry["mfu"] = round(per_token * n_tokens / median / (args.peak_tflops * 1e12), 4)
         report[name] = entry
-    report["ratio_ours_over_hf"] = round(report["ours"]["step_ms"] / report["huggingface"]["step_ms"], 3)
+    report["ratio_ours_over_hf"] = round(
+        report["ours"]["step_ms"] / report["huggingface"]["step_ms"], 3
+    )
     print(json.dumps(report, indent=1))
 
 

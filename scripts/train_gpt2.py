@@ -39,12 +39,20 @@ import torch
 import torch.distributed as dist
 
 from transformer_course.attention import set_fast_path
-from transformer_course.gpt2 import GPT2, GPT2Config, estimate_loss, generate, lm_loss, sample_batch
+from transformer_course.gpt2 import GPT2, GPT2Config, generate, lm_loss
 from transformer_course.runtime import get_device, seed_everything
 from transformer_course.tokenization import GPT2_SPLIT_PATTERN, BPETokenizer, CharTokenizer
-from transformer_course.training import TrainConfig, atomic_write, train
+from transformer_course.training import (
+    History,
+    TrainConfig,
+    atomic_write,
+    estimate_loss,
+    sample_batch,
+    train,
+)
 
 # nanoGPT's config/train_shakespeare_char.py; "baby" is the CPU variant from its README.
+# fmt: off
 PROFILES = {
     "baby": dict(
         n_layers=4, n_heads=4, d_model=128, block_size=64, batch_size=12, max_steps=2000, lr=1e-3,
@@ -55,23 +63,33 @@ PROFILES = {
         min_lr=1e-4, warmup_steps=100, dropout=0.2, eval_every=250, eval_batches=200,
     ),
 }
+# fmt: on
 COMMON = dict(weight_decay=0.1, beta1=0.9, beta2=0.99, grad_clip=1.0, seed=1337, bpe_vocab=512)
 AT_LEAST_ONE = ("n_layers", "n_heads", "d_model", "block_size", "batch_size", "eval_batches")
 LOSSES = ("train_loss", "val_loss")
+Tokenizer = CharTokenizer | BPETokenizer
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--profile", choices=sorted(PROFILES), default="baby")
     parser.add_argument("--tokenizer", choices=("char", "bpe"), default="char")
-    parser.add_argument("--text-file", type=Path, help="train on this text instead of Tiny Shakespeare")
-    parser.add_argument("--out", type=Path, help="write results.json (config, history, final losses) here")
-    parser.add_argument("--checkpoint-dir", type=Path, help="save (and resume from) checkpoints here")
+    parser.add_argument(
+        "--text-file", type=Path, help="train on this text instead of Tiny Shakespeare"
+    )
+    parser.add_argument(
+        "--out", type=Path, help="write results.json (config, history, final losses) here"
+    )
+    parser.add_argument(
+        "--checkpoint-dir", type=Path, help="save (and resume from) checkpoints here"
+    )
     parser.add_argument("--device", help="cpu, cuda, mps (default: the best available)")
     parser.add_argument("--compile", action="store_true", help="torch.compile the model")
     parser.add_argument("--no-amp", action="store_true", help="no bf16 autocast on CUDA")
     parser.add_argument("--tie-embeddings", action="store_true", help="W_U = W_E transposed")
-    parser.add_argument("--sample-tokens", type=int, default=300, help="tokens to sample at the end")
+    parser.add_argument(
+        "--sample-tokens", type=int, default=300, help="tokens to sample at the end"
+    )
     for name, value in {**PROFILES["baby"], **COMMON}.items():
         parser.add_argument(f"--{name.replace('_', '-')}", type=type(value), default=None)
     args = parser.parse_args(argv)
@@ -139,27 +157,60 @@ def setup_distributed(device: torch.device) -> tuple[int, int, torch.device]:
     return dist.get_rank(), dist.get_world_size(), device
 
 
-def main(argv: list[str] | None = None) -> dict:
-    args = parse_args(argv)
-    device = torch.device(args.device) if args.device else get_device()
-    rank, world, device = setup_distributed(device)
-    if args.batch_size % world:
-        raise ValueError(f"--batch-size: expected a multiple of the {world} processes, got {args.batch_size}")
-    seed_everything(args.seed)
-
+def load_data(args: argparse.Namespace) -> tuple[str, Tokenizer, torch.Tensor, torch.Tensor]:
+    """The text, its tokenizer, and the token ids of its first 90% (training) and the rest
+    (validation), as nanoGPT splits it."""
     if args.text_file is not None:
         text = args.text_file.read_text(encoding="utf-8")
     else:
         from transformer_course.data import load_text
 
         text = load_text("tinyshakespeare")
-    split = int(0.9 * len(text))  # nanoGPT: first 90% of the text trains, the last 10% validates
+    split = int(0.9 * len(text))
     if args.tokenizer == "char":
         tokenizer = CharTokenizer(text)
     else:
         tokenizer = BPETokenizer.train(text[:split], args.bpe_vocab, pattern=GPT2_SPLIT_PATTERN)
     train_data = torch.tensor(tokenizer.encode(text[:split]), dtype=torch.long)
     val_data = torch.tensor(tokenizer.encode(text[split:]), dtype=torch.long)
+    return text, tokenizer, train_data, val_data
+
+
+def report(
+    args: argparse.Namespace,
+    result: dict,
+    history: History,
+    model: GPT2,
+    tokenizer: Tokenizer,
+    prompt_ids: list[int],
+) -> None:
+    """Print the last and the best evaluation, sample from the best model, write results.json."""
+    for name, record in (("last", result["final"]), ("best", result["best"])):
+        losses = ", ".join(f"{k} {record[k]:.4f}" for k in LOSSES if k in record)
+        print(f"{name}: step {record.get('step')}: {losses}", flush=True)
+    print(f"training took {result['train_seconds']:.0f} s", flush=True)
+    if history.best_state is not None:
+        model.load_state_dict(history.best_state)  # the last weights stay in checkpoint.pt
+    if args.sample_tokens:
+        prompt = torch.tensor([prompt_ids], device=next(model.parameters()).device)
+        sample = generate(model, prompt, args.sample_tokens, temperature=0.8, top_k=200)
+        best = history.best
+        source = f"the best model (step {best['step']})" if best else "the last model"
+        print(f"sample from {source}:\n" + tokenizer.decode(sample[0].tolist()), flush=True)
+    if args.out is not None:
+        atomic_write(args.out / "results.json", json.dumps(result, indent=1))
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    device = torch.device(args.device) if args.device else get_device()
+    rank, world, device = setup_distributed(device)
+    if args.batch_size % world:
+        raise ValueError(
+            f"--batch-size: expected a multiple of the {world} processes, got {args.batch_size}"
+        )
+    seed_everything(args.seed)
+    text, tokenizer, train_data, val_data = load_data(args)
 
     cfg = model_config(args, d_vocab=tokenizer.vocab_size)
     model = set_fast_path(GPT2(cfg).to(device))
@@ -181,7 +232,9 @@ def main(argv: list[str] | None = None) -> dict:
 
     def evaluate(_: torch.nn.Module) -> dict[str, float]:
         generator = torch.Generator().manual_seed(args.seed)
-        sizes = dict(batch_size=args.batch_size, block_size=args.block_size, n_batches=args.eval_batches)
+        sizes = dict(
+            batch_size=args.batch_size, block_size=args.block_size, n_batches=args.eval_batches
+        )
         return {
             "train_loss": estimate_loss(model, train_data, generator=generator, **sizes),
             "val_loss": estimate_loss(model, val_data, generator=generator, **sizes),
@@ -190,7 +243,8 @@ def main(argv: list[str] | None = None) -> dict:
     if rank == 0:
         print(
             f"{args.profile} profile on {device} x{world}: {model.num_params():,} parameters, "
-            f"vocab {cfg.d_vocab} ({args.tokenizer}), {len(train_data):,} train / {len(val_data):,} val tokens",
+            f"vocab {cfg.d_vocab} ({args.tokenizer}), {len(train_data):,} train / "
+            f"{len(val_data):,} val tokens",
             flush=True,
         )
     started = time.perf_counter()
@@ -198,7 +252,8 @@ def main(argv: list[str] | None = None) -> dict:
     wall = time.perf_counter() - started
 
     result = {
-        "command": "python scripts/train_gpt2.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "command": "python scripts/train_gpt2.py "
+        + " ".join(argv if argv is not None else sys.argv[1:]),
         "profile": args.profile,
         "world_size": world,
         "device": str(device),
@@ -210,22 +265,9 @@ def main(argv: list[str] | None = None) -> dict:
         "history": history.to_dict(),
     }
     if rank == 0:
-        for name, record in (("last", result["final"]), ("best", result["best"])):
-            losses = ", ".join(f"{k} {record[k]:.4f}" for k in LOSSES if k in record)
-            print(f"{name}: step {record.get('step')}: {losses}", flush=True)
-        print(f"training took {wall:.0f} s", flush=True)
-        if history.best_state is not None:
-            model.load_state_dict(history.best_state)  # the last weights stay in checkpoint.pt
-        if args.sample_tokens:
-            # Start as a speech does, after a newline (or, with none in the text, its first token).
-            ids = tokenizer.encode("\n") if "\n" in text else train_data[:1].tolist()
-            prompt = torch.tensor([ids], device=device)
-            sample = generate(model, prompt, args.sample_tokens, temperature=0.8, top_k=200)
-            best = history.best
-            source = f"the best model (step {best['step']})" if best else "the last model"
-            print(f"sample from {source}:\n" + tokenizer.decode(sample[0].tolist()), flush=True)
-        if args.out is not None:
-            atomic_write(args.out / "results.json", json.dumps(result, indent=1))
+        # Start as a speech does, after a newline (or, with none in the text, its first token).
+        prompt_ids = tokenizer.encode("\n") if "\n" in text else train_data[:1].tolist()
+        report(args, result, history, model, tokenizer, prompt_ids)
     if world > 1:
         dist.destroy_process_group()
     return result

@@ -1,5 +1,6 @@
 """The chapter-6 checkers: the reference passes, a blank fails with its hint, classic bugs get
-targeted hints (each bug is written out here as a small variant of the reference)."""
+targeted hints (each bug is written out here as a small variant of the reference) and valid
+alternatives pass. (The MLP's and the block's checkers are tested in test_checks_blocks.py.)"""
 
 from __future__ import annotations
 
@@ -10,21 +11,31 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from transformer_course.blocks import ACTIVATIONS, MLP, TransformerBlock
+from transformer_course.attention import scaled_dot_product_attention
 from transformer_course.checks import CheckFailure
 from transformer_course.checks.gpt2 import (
     check_embed,
     check_generate,
     check_gpt2_forward,
-    check_mlp,
+    check_kv_cache,
     check_pos_embed,
+    check_sample_batch,
     check_top_p_filter,
     check_train_step,
-    check_transformer_block,
     check_unembed,
 )
-from transformer_course.gpt2 import GPT2, Embed, PosEmbed, Unembed, generate, top_p_filter, train_step
-from transformer_course.masking import causal_mask, combine_masks
+from transformer_course.gpt2 import (
+    GPT2,
+    Embed,
+    PosEmbed,
+    Unembed,
+    forward_with_cache,
+    generate,
+    top_p_filter,
+    train_step,
+)
+from transformer_course.masking import causal_mask
+from transformer_course.training import sample_batch
 
 
 def fails(check, candidate, *words: str) -> None:
@@ -41,9 +52,10 @@ def fails(check, candidate, *words: str) -> None:
         (check_embed, Embed),
         (check_pos_embed, PosEmbed),
         (check_unembed, Unembed),
-        (check_mlp, MLP),
         (check_gpt2_forward, GPT2),
         (check_generate, generate),
+        (check_sample_batch, sample_batch),
+        (check_kv_cache, forward_with_cache),
     ],
 )
 def test_reference_passes(check, reference, capsys):
@@ -69,11 +81,6 @@ class BlankUnembed(Unembed):
         raise NotImplementedError("create W_U and b_U")
 
 
-class BlankMLP(MLP):
-    def forward(self, x):
-        raise NotImplementedError("widen, gelu_new, project back")
-
-
 class BlankGPT2(GPT2):
     def forward(self, tokens):
         raise NotImplementedError("embed, blocks, ln_final, unembed")
@@ -83,15 +90,24 @@ def blank_generate(model, tokens, max_new_tokens, *, temperature=1.0, top_k=None
     raise NotImplementedError("loop: crop, forward, last logits, sample, append")
 
 
+def blank_sample_batch(data, batch_size, block_size, *, generator=None):
+    raise NotImplementedError("Exercise 6.10: write sample_batch (hints below the cell)")
+
+
+def blank_forward_with_cache(model, tokens, cache=None):
+    raise NotImplementedError("Exercise 6.11: write forward_with_cache (hints below the cell)")
+
+
 @pytest.mark.parametrize(
     "check, blank, hint",
     [
         (check_embed, BlankEmbed, "index W_E"),
         (check_pos_embed, BlankPosEmbed, "slice W_pos"),
         (check_unembed, BlankUnembed, "create W_U"),
-        (check_mlp, BlankMLP, "widen"),
         (check_gpt2_forward, BlankGPT2, "ln_final"),
         (check_generate, blank_generate, "crop"),
+        (check_sample_batch, blank_sample_batch, "Exercise 6.10"),
+        (check_kv_cache, blank_forward_with_cache, "Exercise 6.11"),
     ],
 )
 def test_blank_fails_with_its_hint(check, blank, hint):
@@ -128,7 +144,9 @@ def test_pos_embed_rejects_indexing_by_token_and_missing_batch():
 class UnembedBiasOnes(Unembed):
     def __init__(self, cfg):
         super().__init__(cfg)
-        self.b_U = nn.Parameter(torch.ones(cfg.d_vocab))  # the catalogue's "biases initialised to ones"
+        self.b_U = nn.Parameter(
+            torch.ones(cfg.d_vocab)
+        )  # the catalogue's "biases initialised to ones"
 
 
 class UnembedNoBias(Unembed):
@@ -146,21 +164,6 @@ def test_unembed_rejects_bias_ones_missing_bias_and_wrong_layout():
     fails(check_unembed, UnembedBiasOnes, "zeros")
     fails(check_unembed, UnembedNoBias, "bias")
     fails(check_unembed, UnembedTransposed, "shape")
-
-
-class ExactGeluMLP(MLP):
-    def forward(self, x):
-        return F.gelu(x @ self.W_in + self.b_in) @ self.W_out + self.b_out
-
-
-class ReluMLP(MLP):
-    def forward(self, x):
-        return F.relu(x @ self.W_in + self.b_in) @ self.W_out + self.b_out
-
-
-def test_mlp_rejects_wrong_activation():
-    fails(check_mlp, ExactGeluMLP, "tanh")
-    fails(check_mlp, ReluMLP, "relu")
 
 
 class NoPositionGPT2(GPT2):
@@ -184,7 +187,14 @@ def test_gpt2_forward_rejects_missing_parts():
     fails(check_gpt2_forward, NoFinalNormGPT2, "ln_final")
 
 
-def _sampler(pick_logits, *, crop=True, temperature_op=lambda logits, t: logits / t, top_k_largest=True, greedy=False):
+def _sampler(
+    pick_logits,
+    *,
+    crop=True,
+    temperature_op=lambda logits, t: logits / t,
+    top_k_largest=True,
+    greedy=False,
+):
     """A generate() with one knob turned wrong at a time."""
 
     @torch.no_grad()
@@ -233,25 +243,6 @@ def test_generate_rejects_division_by_zero_temperature():
 # Families: hooks, optional arguments, dropout in train and eval mode, rows that differ.
 
 
-class FixedGeluMLP(MLP):
-    """Ignores `act_fn`: always gelu_new."""
-
-    def forward(self, x):
-        pre = self.hook_pre(x @ self.W_in + self.b_in)
-        return self.hook_post(F.gelu(pre, approximate="tanh")) @ self.W_out + self.b_out
-
-
-class UnhookedMLP(MLP):
-    def forward(self, x):
-        pre = self.hook_pre(x @ self.W_in + self.b_in)
-        return ACTIVATIONS[self.act_fn](pre) @ self.W_out + self.b_out
-
-
-def test_mlp_rejects_an_ignored_act_fn_and_a_missing_hook():
-    fails(check_mlp, FixedGeluMLP, "act_fn='relu'", "ACTIVATIONS[self.act_fn]")
-    fails(check_mlp, UnhookedMLP, "hook_post", "never received")
-
-
 class UnhookedGPT2(GPT2):
     def forward(self, tokens):
         residual = self.dropout(self.embed(tokens) + self.pos_embed(tokens))
@@ -296,7 +287,9 @@ def test_generate_alternatives_pass():
     """Top-k by scattering the kept logits into -inf, and sampling with a Gumbel-max trick."""
 
     @torch.no_grad()
-    def scatter_gumbel(model, tokens, max_new_tokens, *, temperature=1.0, top_k=None, top_p=None, generator=None):
+    def scatter_gumbel(
+        model, tokens, max_new_tokens, *, temperature=1.0, top_k=None, top_p=None, generator=None
+    ):
         for _ in range(max_new_tokens):
             logits = model(tokens[:, -model.cfg.n_ctx :])[:, -1]
             if temperature == 0:
@@ -319,71 +312,14 @@ def test_generate_alternatives_pass():
 
 def test_generate_rejects_an_ignored_generator():
     @torch.no_grad()
-    def global_rng(model, tokens, max_new_tokens, *, temperature=1.0, top_k=None, top_p=None, generator=None):
-        return generate(model, tokens, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p)
+    def global_rng(
+        model, tokens, max_new_tokens, *, temperature=1.0, top_k=None, top_p=None, generator=None
+    ):
+        return generate(
+            model, tokens, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p
+        )
 
     fails(check_generate, global_rng, "same generator seed", "generator=generator")
-
-
-# The transformer block.
-
-
-def block_with(forward):
-    return type("LearnerBlock", (TransformerBlock,), {"forward": forward})
-
-
-def _sublayers(self, resid, mask, *, causal=True, pre_ln=True, keep_stream=True, residual=True, drop=True):
-    """A block forward pass with one knob turned wrong at a time."""
-    if causal:
-        mask = combine_masks(causal_mask(resid.shape[1]), mask)
-    dropout = self.dropout if drop else (lambda t: t)
-    resid = self.hook_resid_pre(resid)
-    if pre_ln if self.norm == "pre" else not pre_ln:
-        stream = resid if keep_stream else self.ln1(resid)
-        attn_out = self.hook_attn_out(dropout(self.attn(self.ln1(resid), mask=mask)))
-        resid = self.hook_resid_mid((stream if residual else 0) + attn_out)
-        mlp_out = self.hook_mlp_out(dropout(self.mlp(self.ln2(resid))))
-        return self.hook_resid_post((resid if residual else 0) + mlp_out)
-    attn_out = self.hook_attn_out(dropout(self.attn(resid, mask=mask)))
-    resid = self.hook_resid_mid(self.ln1(resid + attn_out))
-    mlp_out = self.hook_mlp_out(dropout(self.mlp(resid)))
-    return self.hook_resid_post(self.ln2(resid + mlp_out))
-
-
-@pytest.mark.parametrize(
-    ("knob", "words"),
-    [
-        ({"causal": False}, ["causal=True"]),
-        ({"pre_ln": False}, ["this is post-LN"]),
-        ({"keep_stream": False}, ["residual stream itself"]),
-        ({"residual": False}, ["a residual connection is missing"]),
-        ({"drop": False}, ["dropout=0.3", "train mode"]),
-    ],
-)
-def test_transformer_block_bugs_are_named(knob, words):
-    fails(check_transformer_block, block_with(lambda self, resid, mask=None: _sublayers(self, resid, mask, **knob)),
-          *words)
-
-
-def test_transformer_block_that_ignores_its_mask_or_hooks_is_caught():
-    fails(check_transformer_block, block_with(lambda self, resid, mask=None: _sublayers(self, resid, None)),
-          "a padding mask", "ignored")
-
-    def unhooked(self, resid, mask=None):
-        mask = combine_masks(causal_mask(resid.shape[1]), mask)
-        resid = resid + self.dropout(self.attn(self.ln1(resid), mask=mask))
-        return resid + self.dropout(self.mlp(self.ln2(resid)))
-
-    fails(check_transformer_block, block_with(unhooked), "hook_resid_pre", "never received")
-
-
-def test_transformer_block_reference_and_blank():
-    check_transformer_block(TransformerBlock)
-
-    def blank(self, resid, mask=None):
-        raise NotImplementedError("Exercise 6.5: write TransformerBlock.forward")
-
-    fails(check_transformer_block, block_with(blank), "not implemented", "Exercise 6.5")
 
 
 # Top-p filtering and the training step.
@@ -405,7 +341,9 @@ def test_top_p_filter_bugs_are_named():
 
     def stays_sorted(logits, top_p):
         probs, order = logits.softmax(-1).sort(-1, descending=True)
-        return logits.masked_fill(probs.cumsum(-1) - probs >= top_p, -math.inf)  # mask in sorted order
+        return logits.masked_fill(
+            probs.cumsum(-1) - probs >= top_p, -math.inf
+        )  # mask in sorted order
 
     fails(check_top_p_filter, stays_sorted, "scatter the mask")
 
@@ -448,8 +386,12 @@ def _step(*, train=True, zero=True, clip=True, item=True):
 
 @pytest.mark.parametrize(
     ("bug", "words"),
-    [({"train": False}, ["model.train()"]), ({"zero": False}, ["zero_grad"]),
-     ({"clip": False}, ["clip_grad_norm_"]), ({"item": False}, ["loss.item()"])],
+    [
+        ({"train": False}, ["model.train()"]),
+        ({"zero": False}, ["zero_grad"]),
+        ({"clip": False}, ["clip_grad_norm_"]),
+        ({"item": False}, ["loss.item()"]),
+    ],
 )
 def test_train_step_bugs_are_named(bug, words):
     fails(check_train_step, _step(**bug), *words)
@@ -457,3 +399,137 @@ def test_train_step_bugs_are_named(bug, words):
 
 def test_train_step_alternative_passes():
     check_train_step(_step())
+
+
+# Batches of a token stream.
+
+
+def _windows(*, shift=1, low=0, high_extra=0, per_row=True, use_generator=True, own_seed=False):
+    """A sample_batch with one knob turned wrong at a time; `shift=1` and the rest as given is
+    the reference's behaviour, written as nanoGPT writes it (a list of slices)."""
+
+    def sample(data, batch_size, block_size, *, generator=None):
+        if own_seed:
+            generator = torch.Generator().manual_seed(0)
+        if not use_generator:
+            generator = None
+        high = len(data) - block_size + high_extra
+        starts = torch.randint(low, high, (batch_size if per_row else 1,), generator=generator)
+        starts = starts.expand(batch_size)
+        x = torch.stack([data[i : i + block_size] for i in starts.tolist()])
+        y = torch.stack([data[i + shift : i + shift + block_size] for i in starts.tolist()])
+        return x, y
+
+    return sample
+
+
+def test_sample_batch_alternative_passes(capsys):
+    check_sample_batch(_windows())
+    assert "passes every check" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    ("knob", "words"),
+    [
+        ({"shift": 0}, ["not x shifted", "the inputs themselves"]),
+        ({"low": 1, "shift": -1}, ["one token before"]),
+        ({"high_extra": -1}, ["last window", "len(data) - block_size - 1"]),
+        ({"high_extra": 1}, ["past the end of data", "exclusive"]),
+        ({"per_row": False}, ["different windows", "one start per row"]),
+        ({"use_generator": False}, ["equally seeded generators", "generator=generator"]),
+        ({"own_seed": True}, ["different seeds gave the same windows"]),
+    ],
+)
+def test_sample_batch_bugs_are_named(knob, words):
+    fails(check_sample_batch, _windows(**knob), *words)
+
+
+def test_sample_batch_with_shifted_token_ids_is_caught():
+    """Adding one to the ids instead of taking the next token passes on data = arange(n), which
+    is why the check draws from a shuffled stream."""
+
+    def adds_one(data, batch_size, block_size, *, generator=None):
+        x, _ = sample_batch(data, batch_size, block_size, generator=generator)
+        return x, x + 1
+
+    fails(check_sample_batch, adds_one, "not x shifted by one token", "next tokens")
+
+
+# The KV cache.
+
+
+def cached_forward(*, append=True, offset=True, mask="causal_mask", sdpa=False):
+    """A forward_with_cache with one knob turned wrong at a time. `mask`: "causal_mask"
+    (bottom-right aligned, right), "tril" (the same mask written by hand, right), "top_left"
+    (`causal_mask(k_len)[:q_len]`), "is_causal" (SDPA's `is_causal=True`, top-left aligned too)
+    or "none_with_cache" (the new tokens see each other's keys)."""
+
+    def forward(model, tokens, cache=None):
+        start = 0 if cache is None else cache[0][0].shape[-2]
+        new = tokens.shape[1]
+        positions = (
+            model.pos_embed.W_pos[start : start + new] if offset else model.pos_embed.W_pos[:new]
+        )
+        residual = model.embed(tokens) + positions
+        new_cache = []
+        for layer, block in enumerate(model.blocks):
+            attn, x = block.attn, block.ln1(residual)
+            q, k, v = (
+                torch.einsum("bpd,hde->bhpe", x, W) + b[:, None]
+                for W, b in ((attn.W_Q, attn.b_Q), (attn.W_K, attn.b_K), (attn.W_V, attn.b_V))
+            )
+            keys, values = k, v
+            if cache is not None:
+                keys = torch.cat([cache[layer][0], k], dim=-2)
+                values = torch.cat([cache[layer][1], v], dim=-2)
+            new_cache.append((keys, values) if append else (k, v))
+            k_len = keys.shape[-2]
+            if mask == "causal_mask":
+                allowed = causal_mask(new, k_len)
+            elif mask == "tril":
+                allowed = torch.ones(new, k_len, dtype=torch.bool).tril(k_len - new)
+            elif mask == "top_left":
+                allowed = causal_mask(k_len)[:new]
+            elif mask == "none_with_cache":
+                allowed = causal_mask(new) if cache is None else None
+            else:  # "is_causal"
+                allowed = None
+            if sdpa or mask == "is_causal":
+                z = F.scaled_dot_product_attention(
+                    q, keys, values, attn_mask=allowed, is_causal=mask == "is_causal"
+                )
+            else:
+                z, _ = scaled_dot_product_attention(q, keys, values, allowed)
+            out = torch.einsum("bhpe,hed->bpd", z, attn.W_O) + attn.b_O
+            residual = residual + out
+            residual = residual + block.mlp(block.ln2(residual))
+        return model.unembed(model.ln_final(residual)), new_cache
+
+    return forward
+
+
+def test_kv_cache_alternatives_pass():
+    check_kv_cache(cached_forward(mask="tril", sdpa=True))
+    check_kv_cache(cached_forward(sdpa=True))
+
+
+@pytest.mark.parametrize(
+    ("knob", "words"),
+    [
+        ({"append": False}, ["not appended", "torch.cat"]),
+        ({"offset": False}, ["positions do not count the cached ones", "W_pos[start"]),
+        ({"mask": "top_left"}, ["wrong keys", "causal_mask(q_len, k_len)"]),
+        ({"mask": "is_causal"}, ["wrong keys", "is_causal=True"]),
+        ({"mask": "none_with_cache"}, ["3 new tokens after 8", "wrong keys"]),
+    ],
+)
+def test_kv_cache_bugs_are_named(knob, words):
+    fails(check_kv_cache, cached_forward(**knob), *words)
+
+
+def test_kv_cache_that_returns_the_old_cache_is_caught():
+    def keeps_old(model, tokens, cache=None):
+        logits, longer = forward_with_cache(model, tokens, cache)
+        return logits, longer if cache is None else cache
+
+    fails(check_kv_cache, keeps_old, "not appended")

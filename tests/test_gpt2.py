@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 from transformer_lens import HookedTransformer, HookedTransformerConfig
+from transformer_lens.pretrained.weight_conversions import convert_gpt2_weights
 from transformers import GPT2Config as HFGPT2Config
 from transformers import GPT2LMHeadModel
 
@@ -20,11 +21,12 @@ from transformer_course.gpt2 import (
     GPT2Config,
     PosEmbed,
     Unembed,
-    estimate_loss,
+    forward_with_cache,
     generate,
     lm_loss,
-    sample_batch,
 )
+from transformer_course.gpt2_weights import config_from_huggingface, convert_hf_gpt2_state_dict
+from transformer_course.training import TrainConfig, estimate_loss, sample_batch, train
 
 pytestmark = pytest.mark.filterwarnings("ignore:HookedTransformer is deprecated:DeprecationWarning")
 TINY = dict(n_layer=2, n_embd=32, n_head=4, vocab_size=61, n_positions=16)
@@ -35,7 +37,10 @@ def randomise_(model: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for param in model.parameters():
-            param.copy_(torch.randn(param.shape, generator=generator, dtype=param.dtype) * 0.1 + (param == 1) * 1.0)
+            param.copy_(
+                torch.randn(param.shape, generator=generator, dtype=param.dtype) * 0.1
+                + (param == 1) * 1.0
+            )
     return model
 
 
@@ -73,13 +78,21 @@ def tl_model(dtype=torch.float64) -> HookedTransformer:
 
 def tiny_gpt2(**overrides) -> GPT2:
     torch.manual_seed(0)
-    cfg = GPT2Config(**{**dict(d_model=32, n_layers=2, n_heads=4, d_vocab=61, n_ctx=16), **overrides})
+    cfg = GPT2Config(
+        **{**dict(d_model=32, n_layers=2, n_heads=4, d_vocab=61, n_ctx=16), **overrides}
+    )
     return GPT2(cfg).eval()
 
 
 def test_config_defaults_are_gpt2_small():
     cfg = GPT2Config()
-    assert (cfg.d_model, cfg.n_layers, cfg.n_heads, cfg.d_head, cfg.d_mlp) == (768, 12, 12, 64, 3072)
+    assert (cfg.d_model, cfg.n_layers, cfg.n_heads, cfg.d_head, cfg.d_mlp) == (
+        768,
+        12,
+        12,
+        64,
+        3072,
+    )
     assert (cfg.d_vocab, cfg.n_ctx, cfg.layer_norm_eps, cfg.init_range) == (50257, 1024, 1e-5, 0.02)
 
 
@@ -113,8 +126,12 @@ def test_component_shapes_and_initialisation():
     assert abs(model.embed.W_E.std().item() - 0.02) < 0.002
     expected_residual_std = 0.02 / (2 * cfg.n_layers) ** 0.5
     for block in model.blocks:
-        assert abs(block.attn.W_O.std().item() - expected_residual_std) < 0.15 * expected_residual_std
-        assert abs(block.mlp.W_out.std().item() - expected_residual_std) < 0.15 * expected_residual_std
+        assert (
+            abs(block.attn.W_O.std().item() - expected_residual_std) < 0.15 * expected_residual_std
+        )
+        assert (
+            abs(block.mlp.W_out.std().item() - expected_residual_std) < 0.15 * expected_residual_std
+        )
         assert abs(block.attn.W_Q.std().item() - 0.02) < 0.003
         for name, param in block.named_parameters():
             if name.rsplit(".", 1)[-1].startswith("b"):
@@ -126,7 +143,9 @@ def test_from_huggingface_matches_hf_logits_tiny(dtype, atol):
     reference = hf_model(dtype)
     ours = GPT2.from_huggingface(reference).eval()
     assert next(ours.parameters()).dtype == dtype
-    tokens = torch.randint(0, TINY["vocab_size"], (3, TINY["n_positions"]), generator=torch.Generator().manual_seed(1))
+    tokens = torch.randint(
+        0, TINY["vocab_size"], (3, TINY["n_positions"]), generator=torch.Generator().manual_seed(1)
+    )
     with torch.no_grad():
         expected = reference(tokens).logits
         actual = ours(tokens)
@@ -155,6 +174,50 @@ def test_from_huggingface_rejects_non_gpt2_variants():
 def test_from_huggingface_refuses_what_is_not_a_hugging_face_gpt2(not_hf):
     with pytest.raises(TypeError, match="hf_model: expected a Hugging Face GPT2LMHeadModel"):
         GPT2.from_huggingface(not_hf)
+
+
+def test_config_from_huggingface_reads_every_field():
+    hf_config = HFGPT2Config(**TINY, n_inner=None, layer_norm_epsilon=1e-6, initializer_range=0.03)
+    cfg = config_from_huggingface(hf_config)
+    assert (cfg.d_model, cfg.n_layers, cfg.n_heads, cfg.d_head) == (32, 2, 4, 8)
+    assert (cfg.d_mlp, cfg.d_vocab, cfg.n_ctx) == (4 * 32, 61, 16)  # n_inner=None: 4 d_model
+    assert (cfg.layer_norm_eps, cfg.init_range, cfg.act_fn) == (1e-6, 0.03, "gelu_new")
+    assert config_from_huggingface(HFGPT2Config(**TINY, n_inner=100)).d_mlp == 100
+    with pytest.raises(ValueError, match="hf_config.reorder_and_upcast_attn: expected False"):
+        config_from_huggingface(HFGPT2Config(**TINY, reorder_and_upcast_attn=True))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_weight_conversion_matches_transformer_lens_without_building_a_model(dtype):
+    """The state-dict conversion alone, against TransformerLens's own `convert_gpt2_weights`:
+    every tensor equal, in the dtype it came in; `b_U` (which TransformerLens leaves out) zero."""
+    reference = hf_model(dtype)
+    cfg = config_from_huggingface(reference.config)
+    ours = convert_hf_gpt2_state_dict(reference.state_dict(), cfg)
+    tl_cfg = HookedTransformerConfig(
+        n_layers=cfg.n_layers,
+        d_model=cfg.d_model,
+        n_heads=cfg.n_heads,
+        d_head=cfg.d_head,
+        d_mlp=cfg.d_mlp,
+        d_vocab=cfg.d_vocab,
+        n_ctx=cfg.n_ctx,
+        act_fn="gelu_new",
+    )
+    theirs = convert_gpt2_weights(reference, tl_cfg)
+    assert set(ours) == set(theirs) | {"unembed.b_U"}
+    for name, expected in theirs.items():
+        assert ours[name].dtype == dtype, name
+        assert torch.equal(ours[name], expected), name
+    assert torch.equal(ours["unembed.b_U"], torch.zeros(61, dtype=dtype))
+
+
+def test_weight_conversion_names_a_missing_key():
+    state = hf_model().state_dict()
+    del state["lm_head.weight"]
+    cfg = config_from_huggingface(hf_model().config)
+    with pytest.raises(TypeError, match="hf_state_dict: .* 'lm_head.weight' is missing"):
+        convert_hf_gpt2_state_dict(state, cfg)
 
 
 def test_tied_embeddings_are_one_matrix_and_match_hugging_face():
@@ -305,14 +368,20 @@ def test_generate_top_k_restricts_samples_to_the_k_most_likely():
     model = tiny_gpt2()
     prompt = torch.randint(0, 61, (4, 3), generator=torch.Generator().manual_seed(6))
     k = 3
-    out = generate(model, prompt, 10, temperature=2.0, top_k=k, generator=torch.Generator().manual_seed(7))
+    out = generate(
+        model, prompt, 10, temperature=2.0, top_k=k, generator=torch.Generator().manual_seed(7)
+    )
     with torch.no_grad():
         for step in range(3, out.shape[1]):
             logits = model(out[:, max(0, step - 16) : step])[:, -1]
             allowed = logits.topk(k, dim=-1).indices
-            assert (allowed == out[:, step : step + 1]).any(dim=1).all(), f"sample outside the top {k} at {step}"
+            assert (allowed == out[:, step : step + 1]).any(dim=1).all(), (
+                f"sample outside the top {k} at {step}"
+            )
     # top_k=1 leaves one candidate: the same as greedy whatever the temperature.
-    one = generate(model, prompt, 10, temperature=5.0, top_k=1, generator=torch.Generator().manual_seed(8))
+    one = generate(
+        model, prompt, 10, temperature=5.0, top_k=1, generator=torch.Generator().manual_seed(8)
+    )
     assert torch.equal(one, greedy_loop(model, prompt, 10))
 
 
@@ -322,7 +391,9 @@ def test_generate_samples_follow_the_softmax():
     prompt = torch.tensor([[4, 9, 2]])
     with torch.no_grad():
         probs = model(prompt)[0, -1].softmax(-1)
-    draws = generate(model, prompt.expand(4000, 3), 1, generator=torch.Generator().manual_seed(9))[:, -1]
+    draws = generate(model, prompt.expand(4000, 3), 1, generator=torch.Generator().manual_seed(9))[
+        :, -1
+    ]
     freq = torch.bincount(draws, minlength=61).double() / 4000
     assert (freq - probs.double()).abs().max().item() < 0.03  # ~4 standard errors at p = 0.1
 
@@ -340,6 +411,38 @@ def test_generate_restores_training_mode_and_checks_arguments():
         generate(model, prompt, -1)
 
 
+def test_forward_with_cache_gives_the_full_forward_passs_logits():
+    """A prompt, then one token, then four at once: every position's logits are those of the
+    model run on the whole sequence (float64, rows that differ)."""
+    model = tiny_gpt2().double()
+    with torch.no_grad():
+        for param in model.parameters():  # biases and layer norms away from their init values
+            param.add_(0.1 * torch.randn(param.shape, dtype=param.dtype))
+    tokens = torch.randint(0, 61, (3, 16), generator=torch.Generator().manual_seed(13))
+    with torch.no_grad():
+        expected = model(tokens)
+        cache, logits = None, []
+        for start, end in ((0, 7), (7, 8), (8, 12), (12, 16)):
+            chunk, cache = forward_with_cache(model, tokens[:, start:end], cache)
+            logits.append(chunk)
+    torch.testing.assert_close(torch.cat(logits, dim=1), expected, atol=1e-10, rtol=0)
+    assert [tuple(k.shape) for k, _ in cache] == [(3, 4, 16, 8)] * 2
+
+
+def test_forward_with_cache_greedy_tokens_match_generate_and_refuse_past_n_ctx():
+    model = tiny_gpt2()
+    prompt = torch.randint(0, 61, (2, 4), generator=torch.Generator().manual_seed(14))
+    with torch.no_grad():
+        logits, cache = forward_with_cache(model, prompt)
+        tokens = prompt
+        for _ in range(12):
+            tokens = torch.cat([tokens, logits[:, -1:].argmax(-1)], dim=1)
+            logits, cache = forward_with_cache(model, tokens[:, -1:], cache)
+        assert torch.equal(tokens, generate(model, prompt, 12, temperature=0))
+        with pytest.raises(ValueError, match="at most n_ctx=16 positions with the 16 cached"):
+            forward_with_cache(model, tokens[:, -1:], cache)
+
+
 def test_fast_path_matches_the_einsum_path():
     reference = tl_model()
     model = tiny_gpt2().double()
@@ -353,7 +456,8 @@ def test_fast_path_matches_the_einsum_path():
 
 
 def test_torch_compile_traces_forward_and_backward():
-    """Dynamo traces the model (the aot_eager backend skips C++ code generation, keeping this fast)."""
+    """Dynamo traces the model (the aot_eager backend skips C++ code generation, keeping this
+    fast)."""
     model = set_fast_path(tiny_gpt2())
     tokens = torch.randint(0, 61, (2, 16), generator=torch.Generator().manual_seed(12))
     compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
@@ -373,22 +477,18 @@ def test_bf16_autocast_close_to_float32():
     assert (actual.float() - expected).abs().max().item() < 0.05  # bf16 keeps ~3 significant digits
 
 
-def test_sample_batch_targets_are_inputs_shifted_by_one():
-    data = torch.arange(100)
-    x, y = sample_batch(data, 5, 8, generator=torch.Generator().manual_seed(0))
-    assert x.shape == y.shape == (5, 8)
-    assert torch.equal(y, x + 1)  # data[i] == i
-    assert int(y.max()) <= 99
-
-
 def test_training_overfits_one_batch():
-    from transformer_course.training import TrainConfig, train
-
     model = tiny_gpt2().train()
-    x, y = sample_batch(torch.randint(0, 61, (500,), generator=torch.Generator().manual_seed(0)), 4, 16)
-    cfg = TrainConfig(max_steps=60, lr=1e-2, warmup_steps=5, lr_schedule="cosine", progress=False, log_every=0)
+    x, y = sample_batch(
+        torch.randint(0, 61, (500,), generator=torch.Generator().manual_seed(0)), 4, 16
+    )
+    cfg = TrainConfig(
+        max_steps=60, lr=1e-2, warmup_steps=5, lr_schedule="cosine", progress=False, log_every=0
+    )
     history = train(model, cfg, lambda step: (x, y), lambda m, b: lm_loss(m(b[0]), b[1]))
     assert history.train_loss[0] > 3.5  # about ln(61) = 4.1 at initialisation
     assert history.train_loss[-1] < 0.5
-    loss = estimate_loss(model, torch.cat([x[0], y[0, -1:]]), batch_size=1, block_size=16, n_batches=1)
+    loss = estimate_loss(
+        model, torch.cat([x[0], y[0, -1:]]), batch_size=1, block_size=16, n_batches=1
+    )
     assert loss < 0.5

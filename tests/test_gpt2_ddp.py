@@ -20,34 +20,57 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts" / "train_gpt2.py"
-TINY = [
-    "--n-layers", "1", "--n-heads", "2", "--d-model", "16", "--block-size", "16", "--batch-size", "8",
-    "--max-steps", "6", "--warmup-steps", "2", "--lr", "3e-3", "--eval-every", "3", "--eval-batches", "2",
-    "--sample-tokens", "0",
-]
+TINY = (
+    "--n-layers 1 --n-heads 2 --d-model 16 --block-size 16 --batch-size 8 --max-steps 6 "
+    "--warmup-steps 2 --lr 3e-3 --eval-every 3 --eval-batches 2 --sample-tokens 0"
+).split()
+WORDS = "to be or not the king queen of thee shall and my lord".split()
 
 
 def run(command: list[str], tmp_path: Path) -> None:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-    result = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
-    assert result.returncode == 0, f"{' '.join(command)} failed:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
+    result = subprocess.run(
+        command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240
+    )
+    assert result.returncode == 0, (
+        f"{' '.join(command)} failed:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
+    )
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed is not available")
+@pytest.mark.skipif(
+    not torch.distributed.is_available(), reason="torch.distributed is not available"
+)
 def test_two_processes_match_one_process(tmp_path):
     rng = random.Random(0)
-    words = ["to", "be", "or", "not", "the", "king", "queen", "of", "thee", "shall", "and", "my", "lord"]
-    text = "\n".join(" ".join(rng.choice(words) for _ in range(8)) for _ in range(400))
+    text = "\n".join(" ".join(rng.choice(WORDS) for _ in range(8)) for _ in range(400))
     text_file = tmp_path / "text.txt"
     text_file.write_text(text)
     common = [str(SCRIPT), "--text-file", str(text_file), "--device", "cpu", *TINY]
 
-    run([sys.executable, *common, "--checkpoint-dir", str(tmp_path / "one"), "--out", str(tmp_path / "one")], tmp_path)
     run(
         [
-            sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-            *common, "--checkpoint-dir", str(tmp_path / "two"), "--out", str(tmp_path / "two"),
+            sys.executable,
+            *common,
+            "--checkpoint-dir",
+            str(tmp_path / "one"),
+            "--out",
+            str(tmp_path / "one"),
+        ],
+        tmp_path,
+    )
+    run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node=2",
+            *common,
+            "--checkpoint-dir",
+            str(tmp_path / "two"),
+            "--out",
+            str(tmp_path / "two"),
         ],
         tmp_path,
     )
@@ -59,7 +82,10 @@ def test_two_processes_match_one_process(tmp_path):
         torch.testing.assert_close(two["model"][name], expected, atol=1e-5, rtol=0, msg=name)
     # The losses each step (averaged over ranks in the DDP run) agree too.
     torch.testing.assert_close(
-        torch.tensor(two["history"]["train_loss"]), torch.tensor(one["history"]["train_loss"]), atol=1e-5, rtol=0
+        torch.tensor(two["history"]["train_loss"]),
+        torch.tensor(one["history"]["train_loss"]),
+        atol=1e-5,
+        rtol=0,
     )
     losses = one["history"]["train_loss"]
     assert losses[-1] < losses[0] - 0.05, f"training did not move: {losses}"

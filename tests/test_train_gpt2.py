@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -17,11 +18,10 @@ spec = importlib.util.spec_from_file_location("train_gpt2", SCRIPT)
 train_gpt2 = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(train_gpt2)
 
-TINY = [
-    "--n-layers", "1", "--n-heads", "2", "--d-model", "16", "--block-size", "8",
-    "--batch-size", "4", "--max-steps", "8", "--warmup-steps", "2", "--lr", "3e-3",
-    "--eval-every", "2", "--eval-batches", "2", "--device", "cpu",
-]
+TINY = (
+    "--n-layers 1 --n-heads 2 --d-model 16 --block-size 8 --batch-size 4 --max-steps 8 "
+    "--warmup-steps 2 --lr 3e-3 --eval-every 2 --eval-batches 2 --device cpu"
+).split()
 
 
 @pytest.mark.parametrize(
@@ -29,8 +29,8 @@ TINY = [
     [
         (["--max-steps", "-1"], "--max-steps: expected an int >= 0, got -1"),
         (["--batch-size", "0"], "--batch-size: expected an int >= 1, got 0"),
-        (["--grad-clip", "-1"], "grad_clip: expected None (no clipping) or finite >= 0, got -1.0"),
-        (["--lr", "inf"], "lr: expected a finite learning rate > 0, got inf"),
+        (["--grad-clip", "-1"], "grad_clip: expected a finite number .*>= 0, got -1.0"),
+        (["--lr", "inf"], "lr: expected a finite number .*> 0, got inf"),
         (["--d-model", "15"], "d_head: not given, and d_model=15 is not divisible by n_heads=2"),
     ],
 )
@@ -38,7 +38,7 @@ def test_bad_settings_are_refused_before_reading_any_text(flags, message, capsys
     missing = tmp_path / "no-such-text.txt"  # reading it would fail with another error
     with pytest.raises(SystemExit) as exit_:
         train_gpt2.main([*TINY, "--text-file", str(missing), *flags])
-    assert exit_.value.code == 2 and message in capsys.readouterr().err
+    assert exit_.value.code == 2 and re.search(message, capsys.readouterr().err)
 
 
 def test_a_checkpoint_dir_that_is_a_file_is_refused(capsys, tmp_path):
@@ -53,8 +53,17 @@ def test_text_without_newline_trains_reports_the_best_and_samples_from_it(tmp_pa
     text = tmp_path / "text.txt"
     text.write_text("to be or not to be that is the question " * 40)  # no newline anywhere
     result = train_gpt2.main(
-        [*TINY, "--text-file", str(text), "--sample-tokens", "20", "--out", str(tmp_path / "out"),
-         "--checkpoint-dir", str(tmp_path / "ckpt")]
+        [
+            *TINY,
+            "--text-file",
+            str(text),
+            "--sample-tokens",
+            "20",
+            "--out",
+            str(tmp_path / "out"),
+            "--checkpoint-dir",
+            str(tmp_path / "ckpt"),
+        ]
     )
     out = capsys.readouterr().out
     evals = result["history"]["evals"]

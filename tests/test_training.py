@@ -23,11 +23,13 @@ from transformer_course.training import (
     TrainConfig,
     atomic_write,
     cosine_lr,
+    estimate_loss,
     inverse_sqrt_lr,
     load_checkpoint,
     lr_at,
     make_optimizer,
     read_checkpoint,
+    sample_batch,
     save_checkpoint,
     train,
 )
@@ -38,7 +40,9 @@ class Tiny(nn.Module):
 
     def __init__(self, hidden: int = 16):
         super().__init__()
-        self.net = nn.Sequential(nn.Linear(4, hidden), nn.ReLU(), nn.Dropout(0.3), nn.Linear(hidden, 1))
+        self.net = nn.Sequential(
+            nn.Linear(4, hidden), nn.ReLU(), nn.Dropout(0.3), nn.Linear(hidden, 1)
+        )
 
     def forward(self, x):
         return self.net(x)
@@ -57,13 +61,21 @@ def mse(model, batch):
 
 
 def config(**overrides) -> TrainConfig:
-    settings = dict(max_steps=20, lr=1e-2, warmup_steps=3, lr_schedule="cosine", weight_decay=0.1, progress=False)
+    settings = dict(
+        max_steps=20,
+        lr=1e-2,
+        warmup_steps=3,
+        lr_schedule="cosine",
+        weight_decay=0.1,
+        progress=False,
+    )
     settings.update(overrides)
     return TrainConfig(**settings)
 
 
 def test_inverse_sqrt_matches_the_paper_formula():
-    # Vaswani et al. (2017), eq. 3: lrate = d_model^-0.5 * min(n^-0.5, n * warmup^-1.5), n = step + 1.
+    # Vaswani et al. (2017), eq. 3: lrate = d_model^-0.5 * min(n^-0.5, n * warmup^-1.5),
+    # n = step + 1.
     d_model, warmup = 512, 4000
     for step in (0, 1, 999, 3998, 3999, 4000, 10_000, 99_999):
         n = step + 1
@@ -73,7 +85,8 @@ def test_inverse_sqrt_matches_the_paper_formula():
 
 
 def test_cosine_schedule_endpoints():
-    # Written out by hand: warmup is linear, the midpoint of the cosine is halfway, the end is min_lr.
+    # Written out by hand: warmup is linear, the midpoint of the cosine is halfway, the end is
+    # min_lr.
     assert cosine_lr(0, lr=1.0, warmup_steps=10, max_steps=110) == pytest.approx(0.1)
     assert cosine_lr(9, lr=1.0, warmup_steps=10, max_steps=110) == pytest.approx(1.0)
     assert cosine_lr(60, lr=1.0, warmup_steps=10, max_steps=110, min_lr=0.2) == pytest.approx(0.6)
@@ -85,7 +98,7 @@ def test_cosine_schedule_endpoints():
     ("settings", "message"),
     [
         (dict(lr_schedule="linear"), "lr_schedule"),
-        (dict(lr=0.0), "lr: expected a finite learning rate > 0, got 0.0"),
+        (dict(lr=0.0), "lr: expected a finite number .*> 0, got 0.0"),
         (dict(lr=math.inf), "lr: .* got inf"),
         (dict(lr=math.nan), "lr: .* got nan"),
         (dict(grad_clip=-1.0), "grad_clip: .* got -1.0"),
@@ -138,7 +151,10 @@ def test_train_equals_a_hand_written_adamw_loop():
     # The same steps with torch's AdamW, written out directly.
     decay = [p for n, p in reference.named_parameters() if n.endswith("weight")]
     rest = [p for n, p in reference.named_parameters() if n.endswith("bias")]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}], betas=(0.9, 0.95))
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}],
+        betas=(0.9, 0.95),
+    )
     torch.manual_seed(0)
     np.random.seed(0)
     reference.train()
@@ -178,7 +194,12 @@ def test_resume_equals_uninterrupted(tmp_path):
     def run(max_steps, folder):
         model = Tiny()
         model.load_state_dict(initial)
-        cfg = config(max_steps=max_steps, lr_schedule="inverse_sqrt", checkpoint_every=5, checkpoint_dir=folder)
+        cfg = config(
+            max_steps=max_steps,
+            lr_schedule="inverse_sqrt",
+            checkpoint_every=5,
+            checkpoint_dir=folder,
+        )
         return model, train(model, cfg, get_batch, mse)
 
     full_model, full = run(20, tmp_path / "full")
@@ -203,14 +224,21 @@ def test_checkpoint_write_is_atomic(tmp_path, monkeypatch):
 
     monkeypatch.setattr(torch, "save", crash)
     with pytest.raises(OSError, match="disk full"):
-        train(Tiny(), config(max_steps=10, checkpoint_every=5, checkpoint_dir=tmp_path), get_batch, mse)
+        train(
+            Tiny(),
+            config(max_steps=10, checkpoint_every=5, checkpoint_dir=tmp_path),
+            get_batch,
+            mse,
+        )
     assert path.read_bytes() == before  # the old checkpoint is untouched
     assert os.listdir(tmp_path) == [CHECKPOINT_NAME]  # and no temporary file is left behind
 
 
 def test_resuming_another_architecture_names_the_difference(tmp_path):
     train(Tiny(16), config(max_steps=2, checkpoint_dir=tmp_path), get_batch, mse)
-    with pytest.raises(ValueError, match=r"net\.0\.weight: checkpoint shape \(16, 4\), this model \(32, 4\)"):
+    with pytest.raises(
+        ValueError, match=r"net\.0\.weight: checkpoint shape \(16, 4\), this model \(32, 4\)"
+    ):
         train(Tiny(32), config(max_steps=4, checkpoint_dir=tmp_path), get_batch, mse)
     with pytest.raises(FileNotFoundError, match="no checkpoint"):
         load_checkpoint(tmp_path / "missing.pt", Tiny())
@@ -294,8 +322,13 @@ def test_the_best_evaluation_is_kept_and_saved_only_when_it_improves(tmp_path, m
 def test_the_best_evaluation_survives_resumption(tmp_path):
     def run(max_steps, losses):
         evaluate, seen = evaluate_by_schedule(losses)
-        cfg = config(max_steps=max_steps, eval_every=2, checkpoint_every=2, checkpoint_dir=tmp_path,
-                     best_metric="valid_loss")
+        cfg = config(
+            max_steps=max_steps,
+            eval_every=2,
+            checkpoint_every=2,
+            checkpoint_dir=tmp_path,
+            best_metric="valid_loss",
+        )
         return train(Tiny(), cfg, get_batch, mse, evaluate=evaluate), seen
 
     _, seen = run(4, [3.0, 1.0])  # best at step 4
@@ -307,8 +340,13 @@ def test_the_best_evaluation_survives_resumption(tmp_path):
 
 def test_best_metric_must_be_returned_by_evaluate():
     with pytest.raises(ValueError, match="best_metric: 'val_loss' is not among evaluate's metrics"):
-        train(Tiny(), config(max_steps=2, eval_every=1, best_metric="val_loss"), get_batch, mse,
-              evaluate=lambda m: {"valid_loss": 1.0})
+        train(
+            Tiny(),
+            config(max_steps=2, eval_every=1, best_metric="val_loss"),
+            get_batch,
+            mse,
+            evaluate=lambda m: {"valid_loss": 1.0},
+        )
     with pytest.raises(ValueError, match="evaluate"):
         train(Tiny(), config(max_steps=2, best_metric="valid_loss"), get_batch, mse)
 
@@ -398,7 +436,9 @@ def test_runs_under_distributed_data_parallel(tmp_path):
     model, reference = Tiny(), Tiny()
     reference.load_state_dict(model.state_dict())
     expected = train(reference, config(max_steps=5), get_batch, mse)
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rendezvous'}", rank=0, world_size=1)
+    dist.init_process_group(
+        "gloo", init_method=f"file://{tmp_path / 'rendezvous'}", rank=0, world_size=1
+    )
     try:
         history = train(model, config(max_steps=5), get_batch, mse)
     finally:
@@ -423,8 +463,8 @@ def get_batch(step):
 def loss_fn(model, batch):
     return nn.functional.mse_loss(model(batch[0]), batch[1])
 
-cfg = TrainConfig(max_steps=40, lr=1e-2, lr_schedule="inverse_sqrt", warmup_steps=5, checkpoint_every=5,
-                  checkpoint_dir=sys.argv[1], progress=False)
+cfg = TrainConfig(max_steps=40, lr=1e-2, lr_schedule="inverse_sqrt", warmup_steps=5,
+                  checkpoint_every=5, checkpoint_dir=sys.argv[1], progress=False)
 history = train(model, cfg, get_batch, loss_fn)
 print(repr(history.train_loss[-1]))
 """
@@ -436,7 +476,12 @@ def test_sigkilled_run_resumes_to_the_same_final_loss(tmp_path):
     script.write_text(textwrap.dedent(KILLABLE_RUN))
 
     def finish(folder: Path, delay: str = "0") -> str:
-        done = subprocess.run([sys.executable, str(script), str(folder), delay], capture_output=True, text=True, timeout=120)
+        done = subprocess.run(
+            [sys.executable, str(script), str(folder), delay],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert done.returncode == 0, done.stderr
         return done.stdout.strip()
 
@@ -456,3 +501,71 @@ def test_sigkilled_run_resumes_to_the_same_final_loss(tmp_path):
     assert 0 < saved < 40  # killed part-way
     assert finish(folder) == uninterrupted
     assert not math.isnan(float(uninterrupted))
+
+
+# Data for next-token prediction.
+
+
+def test_sample_batch_targets_are_inputs_shifted_by_one():
+    data = torch.arange(100)
+    x, y = sample_batch(data, 5, 8, generator=torch.Generator().manual_seed(0))
+    assert x.shape == y.shape == (5, 8)
+    assert torch.equal(y, x + 1)  # data[i] == i
+    assert int(y.max()) <= 99
+
+
+def test_sample_batch_reaches_every_window_and_repeats_with_a_generator():
+    data = torch.arange(10)
+    x, y = sample_batch(data, 500, 4, generator=torch.Generator().manual_seed(1))
+    assert sorted(x[:, 0].unique().tolist()) == [0, 1, 2, 3, 4, 5]  # the last one ends at data[-1]
+    again, _ = sample_batch(data, 500, 4, generator=torch.Generator().manual_seed(1))
+    assert torch.equal(x, again)
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        ((torch.arange(8), 2, 8), "data: expected a 1-d tensor longer than block_size=8"),
+        ((torch.zeros(2, 20), 2, 4), r"got shape \(2, 20\)"),
+        ((torch.arange(20), 0, 4), "batch_size: expected a positive int, got 0"),
+        ((torch.arange(20), 2, 2.0), "block_size: expected a positive int, got 2.0"),
+    ],
+)
+def test_sample_batch_refuses_bad_arguments(args, message):
+    with pytest.raises(ValueError, match=message):
+        sample_batch(*args)
+
+
+class Bigram(nn.Module):
+    """Logits that depend on the current token only, with dropout (so eval mode matters)."""
+
+    def __init__(self):
+        super().__init__()
+        self.table = nn.Embedding(7, 7)
+        self.dropout = nn.Dropout(0.5)
+
+    def forward(self, tokens):
+        return self.dropout(self.table(tokens))
+
+
+def test_estimate_loss_is_the_mean_eval_loss_and_restores_train_mode():
+    torch.manual_seed(0)
+    model = Bigram().train()
+    data = torch.randint(0, 7, (200,), generator=torch.Generator().manual_seed(2))
+    loss = estimate_loss(
+        model,
+        data,
+        batch_size=4,
+        block_size=5,
+        n_batches=3,
+        generator=torch.Generator().manual_seed(3),
+    )
+    assert model.training
+    generator, losses = torch.Generator().manual_seed(3), []
+    for _ in range(3):
+        x, y = sample_batch(data, 4, 5, generator=generator)
+        logits = model.table(x)  # no dropout: eval mode
+        losses.append(nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten()).item())
+    assert loss == pytest.approx(sum(losses) / 3, rel=1e-6)
+    with pytest.raises(ValueError, match="n_batches: expected a positive int, got 0"):
+        estimate_loss(model, data, batch_size=4, block_size=5, n_batches=0)

@@ -5,7 +5,9 @@
 # unembedding, the MLP with `gelu_new`, the pre-LN transformer block, the model that wires them
 # together, and the sampling loop that turns the model into a text generator. Then you load
 # GPT-2-shaped Hugging Face weights into *your* model and match its outputs component by
-# component. Attention (chapter 2) and layer norm (chapter 4) come from the course package.
+# component, write the training step and the batches it trains on, and train your model on
+# Tiny Shakespeare. Attention (chapter 2) and layer norm (chapter 4) come from the course
+# package. An optional last exercise adds a KV cache to generation.
 #
 # Each exercise is followed by a check cell. It compares your code with the course's reference
 # on random weights and prints `✓ ... passes every check` when you are done, or says what is
@@ -15,38 +17,42 @@
 from __future__ import annotations
 
 import math
+from typing import Literal
 
 import einops
 import torch
 import torch.nn.functional as F
-from jaxtyping import Float, Int
+from jaxtyping import Bool, Float, Int
 from torch import Tensor, nn
 from transformer_lens.hook_points import HookPoint
 from transformer_lens.HookedRootModule import HookedRootModule
-
-from typing import Literal
-
-from jaxtyping import Bool
 from transformers import GPT2Config as HFGPT2Config
 from transformers import GPT2LMHeadModel
 
-from transformer_course.attention import MultiHeadAttention, set_fast_path
+from transformer_course import validate
+from transformer_course.attention import (
+    MultiHeadAttention,
+    scaled_dot_product_attention,
+    set_fast_path,
+)
 from transformer_course.blocks import ACTIVATIONS
+from transformer_course.checks.blocks import check_mlp, check_transformer_block
 from transformer_course.checks.gpt2 import (
     check_against_huggingface,
     check_embed,
     check_generate,
     check_gpt2_forward,
+    check_kv_cache,
+    check_pos_embed,
+    check_sample_batch,
     check_top_p_filter,
     check_train_step,
-    check_mlp,
-    check_pos_embed,
-    check_transformer_block,
     check_unembed,
 )
-from transformer_course.gpt2 import GPT2Config, TiedUnembed, lm_loss, validate_tokens
+from transformer_course.gpt2 import GPT2Config, KVCache, TiedUnembed, lm_loss, validate_tokens
 from transformer_course.layernorm import LayerNorm
-from transformer_course.runtime import describe, seed_everything
+from transformer_course.masking import causal_mask
+from transformer_course.runtime import describe, evaluating, seed_everything
 
 seed_everything(0)
 print(describe())
@@ -225,10 +231,31 @@ check_generate(generate)
 check_train_step(train_step)
 
 # %% [markdown]
+# ## Batches of text
+#
+# A language model trains on windows of its token stream. `sample_batch` draws `batch_size`
+# random windows of `block_size` tokens from a 1-d tensor `data`, one per row, and returns them
+# with the same windows one token later: the targets, so position `i` of a row learns to
+# predict token `i + 1`. Every window whose targets still fit in `data` may be drawn, each
+# equally often, and every random number comes from `generator` when one is given, so a seeded
+# draw repeats exactly.
+
+# %% [exercise] transformer_course.training:sample_batch difficulty=2 importance=4 minutes=15
+# hint: A window is `block_size` consecutive tokens; its targets are the window one token later,
+#   so the last possible window must leave one token after it.
+# hint: Draw every row's start at once with `torch.randint`, passing it the generator; its upper
+#   bound is exclusive.
+# hint: Each start plus `torch.arange(block_size)` gives a row of positions to index `data` with.
+
+# %% [check]
+check_sample_batch(sample_batch)
+
+# %% [markdown]
 # ## Your GPT, trained
 #
 # Everything below runs on your code: your `GPT2` (built from your embeddings, blocks and
-# unembedding), your `train_step` and your `generate`. The data is Tiny Shakespeare, one token per
+# unembedding), your `sample_batch`, your `train_step` and your `generate`. The data is Tiny
+# Shakespeare, one token per
 # character (the course's `CharTokenizer`), and the model is nanoGPT's "baby GPT" for CPUs: 4
 # layers, 4 heads, width 128, a context of 64 characters. Each step trains on 12 random windows
 # of the text; every few hundred steps the loss on held-out text (the last 10%) is measured.
@@ -237,9 +264,9 @@ check_train_step(train_step)
 
 # %% [check] tags=nbval-ignore-output
 from transformer_course.data import load_text
-from transformer_course.gpt2 import estimate_loss, sample_batch
 from transformer_course.runtime import pick
 from transformer_course.tokenization import CharTokenizer
+from transformer_course.training import estimate_loss
 
 text = load_text("tinyshakespeare")
 chars = CharTokenizer(text)
@@ -263,17 +290,66 @@ for step in range(steps):
 
 # %% [check] tags=nbval-ignore-output
 prompt = torch.tensor([chars.encode("\n")])
-sample = generate(model, prompt, 400, temperature=0.8, top_k=10, generator=torch.Generator().manual_seed(3))
+sample = generate(model, prompt, 400, temperature=0.8, top_k=10,
+                  generator=torch.Generator().manual_seed(3))
 print(chars.decode(sample[0].tolist()))
 
 # %% [markdown]
-# ## Going further
+# ## Going further (optional): a KV cache
 #
-# - **A KV cache.** `generate` runs the whole context again for every new token, although the
-#   keys and values of the earlier positions do not change. Keep them: run the prompt once,
-#   store each layer's `k` and `v`, and for each new token compute only its own query, key and
-#   value, attending to the stored keys (chapter 3's `causal_mask(1, k_len)` already aligns a
-#   single query with a longer key sequence). Check that greedy generation with the cache gives
-#   exactly the tokens of your `generate(..., temperature=0)`, and time both for 200 tokens.
+# This exercise is optional: the chapter is complete without it. `generate` runs the whole
+# context again for every new token, although the keys and values of the earlier positions
+# never change (a position attends only to itself and to positions before it). Keep them:
+# `forward_with_cache` runs only the new tokens through the model, reading every block's earlier
+# keys and values from the cache and appending the new ones. Three things differ from
+# `GPT2.forward`: the new tokens' positions come after the cached ones, attention uses the
+# cached keys and values followed by the new ones, and the mask has one row per new token and
+# one column per key (chapter 3's `causal_mask(q_len, k_len)` aligns the last query with the
+# last key). Write attention out from the block's parameters (`W_Q`, `b_Q`, ..., `W_O`, `b_O`)
+# with chapter 2's `scaled_dot_product_attention`. The check feeds a prompt, then single
+# tokens, then three tokens at once, and compares every logit with `model(all tokens)`
+# (within 1e-6 in float64); greedy decoding with your cache must give the tokens it gives
+# without.
+
+# %% [exercise] transformer_course.gpt2:forward_with_cache difficulty=4 importance=2 minutes=40
+# hint: Follow `GPT2.forward`, block by block, with attention written out: the cache changes
+#   which positions the new tokens get and which keys and values they attend to.
+# hint: The number of cached positions is the length of any cached key tensor along its position
+#   dimension; the new tokens' position embeddings start there.
+# hint: Concatenate along the position dimension before attending, and return every block's
+#   longer `(keys, values)` pair.
+
+# %% [check]
+check_kv_cache(forward_with_cache)
+
+# %% [check] tags=nbval-ignore-output
+# Your trained model, greedy, without and with your cache. A cache holds at most n_ctx positions.
+import time
+
+prompt = torch.tensor([chars.encode("\n")])
+n_new = model.cfg.n_ctx - prompt.shape[1]
+started = time.perf_counter()
+without_cache = generate(model, prompt, n_new, temperature=0)
+seconds_without = time.perf_counter() - started
+started = time.perf_counter()
+with evaluating(model):
+    logits, cache = forward_with_cache(model, prompt)
+    with_cache = prompt
+    for step in range(n_new):
+        next_token = logits[:, -1].argmax(dim=-1, keepdim=True)
+        with_cache = torch.cat([with_cache, next_token], dim=1)
+        if step < n_new - 1:
+            logits, cache = forward_with_cache(model, next_token, cache)
+seconds_with = time.perf_counter() - started
+print(f"{n_new} greedy tokens: {seconds_without:.3f} s without the cache, "
+      f"{seconds_with:.3f} s with it")
+print(f"the same tokens: {torch.equal(without_cache, with_cache)}")
+
+# %% [markdown]
+# ## More to try
+#
+# - Time the cache on a longer context: a model with `n_ctx=512` generating 500 tokens shows
+#   the gap growing with the context, since each step without the cache costs a whole forward
+#   pass over it.
 # - Train with `top_p=0.9` samples instead of `top_k=10`, or longer: the book page trains the
 #   same model for 2,000 steps and plots its loss curve.

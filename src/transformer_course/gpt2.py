@@ -2,12 +2,14 @@
 
 Token and position embeddings feed a residual stream; `n_layers` pre-LN blocks (causal
 multi-head attention, then an MLP with `gelu_new`) write into it; a final layer norm and the
-unembedding turn it into next-token logits.
+unembedding turn it into next-token logits. `generate` samples from the model, optionally with
+top-k and nucleus filtering; `forward_with_cache` keeps each position's keys and values so a
+generation step runs only the new token.
 
 Parameter and hook names follow TransformerLens, so a `HookedTransformer` state dict (without
 weight processing) loads with `load_state_dict`, and `run_with_cache` gives activations named
 like TransformerLens's own. `GPT2.from_huggingface` copies the weights of a Hugging Face
-`GPT2LMHeadModel`.
+`GPT2LMHeadModel` (the conversion itself is in `gpt2_weights`).
 """
 
 from __future__ import annotations
@@ -23,8 +25,12 @@ from torch import Tensor, nn
 from transformer_lens.hook_points import HookPoint
 from transformer_lens.HookedRootModule import HookedRootModule
 
-from transformer_course.blocks import TransformerBlock
+from transformer_course import validate
+from transformer_course.attention import scaled_dot_product_attention
+from transformer_course.blocks import ACTIVATIONS, TransformerBlock
 from transformer_course.layernorm import LayerNorm
+from transformer_course.masking import causal_mask
+from transformer_course.runtime import evaluating
 
 __all__ = [
     "GPT2Config",
@@ -35,9 +41,11 @@ __all__ = [
     "GPT2",
     "validate_tokens",
     "generate",
+    "top_p_filter",
+    "KVCache",
+    "forward_with_cache",
+    "train_step",
     "lm_loss",
-    "sample_batch",
-    "estimate_loss",
 ]
 
 
@@ -50,6 +58,8 @@ class GPT2Config:
     inside every block while training (0 = none, as in the released GPT-2 evaluation code).
     `tie_embeddings=True` makes the unembedding the transpose of the token embedding, as in the
     released GPT-2 (off by default, so `W_U` is its own parameter, as in TransformerLens).
+
+    Course: chapter 6.
     """
 
     d_model: int = 768
@@ -67,33 +77,30 @@ class GPT2Config:
 
     def __post_init__(self) -> None:
         for name in ("d_model", "n_layers", "n_heads", "d_vocab", "n_ctx"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name}: expected a positive int, got {value!r}")
+            validate.positive_int(name, getattr(self, name))
         if self.d_head is None:
             if self.d_model % self.n_heads:
                 raise ValueError(
-                    f"d_head: not given, and d_model={self.d_model} is not divisible by n_heads={self.n_heads}"
+                    f"d_head: not given, and d_model={self.d_model} is not divisible by "
+                    f"n_heads={self.n_heads}"
                 )
             self.d_head = self.d_model // self.n_heads
         if self.d_mlp is None:
             self.d_mlp = 4 * self.d_model
-        for name in ("d_head", "d_mlp"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name}: expected a positive int, got {value!r}")
-        if not isinstance(self.tie_embeddings, bool):
-            raise ValueError(f"tie_embeddings: expected True or False, got {self.tie_embeddings!r}")
-        if not 0.0 <= self.dropout < 1.0:
-            raise ValueError(f"dropout: expected a probability in [0, 1), got {self.dropout}")
-        if not self.layer_norm_eps > 0:
-            raise ValueError(f"layer_norm_eps: expected a positive number, got {self.layer_norm_eps}")
-        if not self.init_range > 0:
-            raise ValueError(f"init_range: expected a positive number, got {self.init_range}")
+        validate.positive_int("d_head", self.d_head)
+        validate.positive_int("d_mlp", self.d_mlp)
+        validate.flag("tie_embeddings", self.tie_embeddings)
+        validate.probability("dropout", self.dropout)
+        validate.number("layer_norm_eps", self.layer_norm_eps, low=0, low_open=True)
+        validate.number("init_range", self.init_range, low=0, low_open=True)
+        validate.one_of("act_fn", self.act_fn, ACTIVATIONS)
 
 
 class Embed(nn.Module):
-    """Token embedding: row `t` of `W_E` is the vector of token id `t`."""
+    """Token embedding: row `t` of `W_E` is the vector of token id `t`.
+
+    Course: chapter 6, exercise 6.1, checked by checks.gpt2.check_embed.
+    """
 
     def __init__(self, cfg: GPT2Config):
         super().__init__()
@@ -106,7 +113,10 @@ class Embed(nn.Module):
 
 
 class PosEmbed(nn.Module):
-    """Learned position embedding: row `i` of `W_pos` is added at position `i` of every sequence."""
+    """Learned position embedding: row `i` of `W_pos` is added at position `i` of every sequence.
+
+    Course: chapter 6, exercise 6.2, checked by checks.gpt2.check_pos_embed.
+    """
 
     def __init__(self, cfg: GPT2Config):
         super().__init__()
@@ -120,7 +130,10 @@ class PosEmbed(nn.Module):
 
 
 class Unembed(nn.Module):
-    """Map the final residual stream to one logit per vocabulary entry: `x @ W_U + b_U`."""
+    """Map the final residual stream to one logit per vocabulary entry: `x @ W_U + b_U`.
+
+    Course: chapter 6, exercise 6.3, checked by checks.gpt2.check_unembed.
+    """
 
     def __init__(self, cfg: GPT2Config):
         super().__init__()
@@ -138,6 +151,8 @@ class TiedUnembed(nn.Module):
 
     One matrix maps ids to vectors and vectors back to logits, saving `d_vocab * d_model`
     parameters; `W_E` is the embedding's own parameter, registered here under a second name.
+
+    Course: chapter 6.
     """
 
     def __init__(self, embed: Embed):
@@ -154,9 +169,15 @@ TOKEN_DTYPES = (torch.int64, torch.int32)
 
 def validate_tokens(tokens: object, cfg: GPT2Config, *, any_length: bool = False) -> None:
     """Raise a clear error unless `tokens` is an integer `(batch, pos)` tensor the model can read
-    (`any_length=True` allows more than `n_ctx` positions, for a caller that crops them)."""
+    (`any_length=True` allows more than `n_ctx` positions, for a caller that crops them).
+
+    Course: chapter 6.
+    """
     if not isinstance(tokens, Tensor):
-        raise TypeError(f"tokens: expected an integer torch.Tensor of shape (batch, pos), got {type(tokens).__name__}")
+        raise TypeError(
+            "tokens: expected an integer torch.Tensor of shape (batch, pos), "
+            f"got {type(tokens).__name__}"
+        )
     if tokens.dtype not in TOKEN_DTYPES:
         # uint8 and bool tensors would index W_E as a mask, not as ids.
         raise TypeError(f"tokens: expected an integer dtype (torch.long), got {tokens.dtype}")
@@ -170,7 +191,9 @@ def validate_tokens(tokens: object, cfg: GPT2Config, *, any_length: bool = False
     if tokens.numel() and not torch.compiler.is_compiling():
         low, high = torch.stack(torch.aminmax(tokens)).tolist()  # one device synchronisation
         if low < 0 or high >= cfg.d_vocab:
-            raise ValueError(f"tokens: expected ids in [0, d_vocab={cfg.d_vocab}), got ids from {low} to {high}")
+            raise ValueError(
+                f"tokens: expected ids in [0, d_vocab={cfg.d_vocab}), got ids from {low} to {high}"
+            )
 
 
 class GPT2(HookedRootModule):
@@ -178,6 +201,8 @@ class GPT2(HookedRootModule):
 
     The model is a TransformerLens `HookedRootModule`: `run_with_cache(tokens)` returns the logits
     and every hooked activation, and `hooks(...)` / `run_with_hooks(...)` patch them.
+
+    Course: chapter 6, exercise 6.6, checked by checks.gpt2.check_gpt2_forward.
     """
 
     def __init__(self, cfg: GPT2Config):
@@ -224,7 +249,9 @@ class GPT2(HookedRootModule):
                     nn.init.ones_(param)
 
     @staticmethod
-    def _drop_transformer_lens_buffers(module: nn.Module, state_dict: dict, prefix: str, *args) -> None:
+    def _drop_transformer_lens_buffers(
+        module: nn.Module, state_dict: dict, prefix: str, *args
+    ) -> None:
         """TransformerLens stores each attention layer's causal `mask` and `IGNORE` value as
         buffers; our attention builds its mask on the fly, so those entries carry nothing here."""
         own = module.state_dict().keys()
@@ -234,10 +261,9 @@ class GPT2(HookedRootModule):
 
     def forward(self, tokens: Int[Tensor, "batch pos"]) -> Float[Tensor, "batch pos d_vocab"]:
         validate_tokens(tokens, self.cfg)
-        residual: Float[Tensor, "batch pos d_model"] = self.hook_embed(self.embed(tokens)) + self.hook_pos_embed(
-            self.pos_embed(tokens)
-        )
-        residual = self.dropout(residual)
+        embed = self.hook_embed(self.embed(tokens))
+        pos_embed = self.hook_pos_embed(self.pos_embed(tokens))
+        residual: Float[Tensor, "batch pos d_model"] = self.dropout(embed + pos_embed)
         for block in self.blocks:
             residual = block(residual)
         return self.unembed(self.ln_final(residual))
@@ -252,77 +278,28 @@ class GPT2(HookedRootModule):
 
     @classmethod
     def from_huggingface(cls, hf_model: nn.Module) -> GPT2:
-        """A `GPT2` holding the weights of a Hugging Face `GPT2LMHeadModel`.
+        """A `GPT2` holding the weights of a Hugging Face `GPT2LMHeadModel`, on its device and
+        in its dtype (the conversion is `gpt2_weights.convert_hf_gpt2_state_dict`)."""
+        from transformer_course.gpt2_weights import (  # gpt2_weights imports GPT2Config from here
+            config_from_huggingface,
+            convert_hf_gpt2_state_dict,
+        )
 
-        Hugging Face's GPT-2 uses `Conv1D` layers whose weight is stored `(d_in, d_out)`, the
-        transpose of `nn.Linear` (and the layout of our `x @ W` matrices). Attention keeps Q, K
-        and V in one `c_attn` matrix of width `3 * d_model`, which we split and reshape per head.
-        The language-model head is tied to the token embedding and has no bias, so `b_U` is zero.
-        """
         hf_cfg = getattr(hf_model, "config", None)
         if not isinstance(hf_model, nn.Module) or getattr(hf_cfg, "model_type", None) != "gpt2":
             raise TypeError(
-                "hf_model: expected a Hugging Face GPT2LMHeadModel (config.model_type 'gpt2'), got "
-                f"{type(hf_model).__name__} with model_type {getattr(hf_cfg, 'model_type', None)!r}"
+                "hf_model: expected a Hugging Face GPT2LMHeadModel (config.model_type 'gpt2'), "
+                f"got {type(hf_model).__name__} with model_type "
+                f"{getattr(hf_cfg, 'model_type', None)!r}"
             )
-        for flag in ("scale_attn_by_inverse_layer_idx", "reorder_and_upcast_attn", "add_cross_attention"):
-            if getattr(hf_cfg, flag, False):
-                raise ValueError(f"hf_model: config.{flag}=True is not part of GPT-2; expected False")
-        if not getattr(hf_cfg, "scale_attn_weights", True):
-            raise ValueError("hf_model: config.scale_attn_weights=False is not part of GPT-2; expected True")
-        cfg = GPT2Config(
-            d_model=hf_cfg.n_embd,
-            n_layers=hf_cfg.n_layer,
-            n_heads=hf_cfg.n_head,
-            d_mlp=hf_cfg.n_inner or 4 * hf_cfg.n_embd,
-            d_vocab=hf_cfg.vocab_size,
-            n_ctx=hf_cfg.n_positions,
-            layer_norm_eps=hf_cfg.layer_norm_epsilon,
-            init_range=hf_cfg.initializer_range,
-            act_fn=hf_cfg.activation_function,
-        )
-        hf = hf_model.state_dict()
-        last_layer = f"transformer.h.{cfg.n_layers - 1}.attn.c_attn.weight"
-        for key in ("transformer.wte.weight", "lm_head.weight", last_layer):
-            if key not in hf:
-                raise TypeError(f"hf_model: expected a GPT2LMHeadModel, but {key!r} is missing")
-        n_heads = cfg.n_heads
-        state = {
-            "embed.W_E": hf["transformer.wte.weight"],
-            "pos_embed.W_pos": hf["transformer.wpe.weight"],
-            "ln_final.w": hf["transformer.ln_f.weight"],
-            "ln_final.b": hf["transformer.ln_f.bias"],
-            "unembed.W_U": hf["lm_head.weight"].T,
-            "unembed.b_U": torch.zeros(cfg.d_vocab, dtype=hf["lm_head.weight"].dtype),
-        }
-        for layer in range(cfg.n_layers):
-            src, dst = f"transformer.h.{layer}.", f"blocks.{layer}."
-            W_Q, W_K, W_V = hf[src + "attn.c_attn.weight"].chunk(3, dim=1)  # each (d_model, n_heads * d_head)
-            b_Q, b_K, b_V = hf[src + "attn.c_attn.bias"].chunk(3, dim=0)
-            for name, weight, bias in (("Q", W_Q, b_Q), ("K", W_K, b_K), ("V", W_V, b_V)):
-                state[f"{dst}attn.W_{name}"] = einops.rearrange(
-                    weight, "d_model (head d_head) -> head d_model d_head", head=n_heads
-                )
-                state[f"{dst}attn.b_{name}"] = einops.rearrange(bias, "(head d_head) -> head d_head", head=n_heads)
-            state[dst + "attn.W_O"] = einops.rearrange(
-                hf[src + "attn.c_proj.weight"], "(head d_head) d_model -> head d_head d_model", head=n_heads
-            )
-            state[dst + "attn.b_O"] = hf[src + "attn.c_proj.bias"]
-            state[dst + "ln1.w"] = hf[src + "ln_1.weight"]
-            state[dst + "ln1.b"] = hf[src + "ln_1.bias"]
-            state[dst + "ln2.w"] = hf[src + "ln_2.weight"]
-            state[dst + "ln2.b"] = hf[src + "ln_2.bias"]
-            state[dst + "mlp.W_in"] = hf[src + "mlp.c_fc.weight"]
-            state[dst + "mlp.b_in"] = hf[src + "mlp.c_fc.bias"]
-            state[dst + "mlp.W_out"] = hf[src + "mlp.c_proj.weight"]
-            state[dst + "mlp.b_out"] = hf[src + "mlp.c_proj.bias"]
+        cfg = config_from_huggingface(hf_cfg)
+        state = convert_hf_gpt2_state_dict(hf_model.state_dict(), cfg)
         model = cls(cfg)
         model.load_state_dict(state)
-        reference = hf["transformer.wte.weight"]
-        return model.to(device=reference.device, dtype=reference.dtype)
+        W_E = state["embed.W_E"]
+        return model.to(device=W_E.device, dtype=W_E.dtype)
 
 
-@torch.no_grad()
 def generate(
     model: GPT2,
     tokens: Int[Tensor, "batch pos"],
@@ -340,21 +317,22 @@ def generate(
     temperature tends to greedy), keeps the `top_k` largest logits and then the `top_p` nucleus
     if given, and samples from the softmax. The model runs in eval mode (no dropout). Logits
     that are not finite are an error.
+
+    Course: chapter 6, exercise 6.8, checked by checks.gpt2.check_generate.
     """
-    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
-        raise ValueError(f"max_new_tokens: expected a non-negative int, got {max_new_tokens!r}")
-    if not (isinstance(temperature, (int, float)) and math.isfinite(temperature) and temperature >= 0):
-        raise ValueError(f"temperature: expected a finite number >= 0, got {temperature!r}")
-    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1):
-        raise ValueError(f"top_k: expected None or a positive int, got {top_k!r}")
-    if top_p is not None and not (isinstance(top_p, (int, float)) and 0 < top_p <= 1):
-        raise ValueError(f"top_p: expected None or a number in (0, 1], got {top_p!r}")
+    validate.integer("max_new_tokens", max_new_tokens, low=0)
+    validate.number("temperature", temperature, low=0)
+    if top_k is not None:
+        validate.positive_int("top_k", top_k)
+    if top_p is not None:
+        validate.number("top_p", top_p, low=0, low_open=True, high=1)
     validate_tokens(tokens, model.cfg, any_length=True)
     if tokens.shape[1] == 0:
-        raise ValueError(f"tokens: expected at least one token per row to continue from, got shape {tuple(tokens.shape)}")
-    was_training = model.training
-    model.eval()
-    try:
+        raise ValueError(
+            "tokens: expected at least one token per row to continue from, "
+            f"got shape {tuple(tokens.shape)}"
+        )
+    with evaluating(model):
         for _ in range(max_new_tokens):
             context = tokens[:, -model.cfg.n_ctx :]
             logits: Float[Tensor, "batch d_vocab"] = model(context)[:, -1, :].float()
@@ -376,22 +354,76 @@ def generate(
                 probs = logits.softmax(dim=-1)
                 next_token = torch.multinomial(probs, num_samples=1, generator=generator)
             tokens = torch.cat([tokens, next_token.to(tokens.dtype)], dim=1)
-    finally:
-        model.train(was_training)
     return tokens
 
 
-def top_p_filter(logits: Float[Tensor, "batch d_vocab"], top_p: float) -> Float[Tensor, "batch d_vocab"]:
+def top_p_filter(
+    logits: Float[Tensor, "batch d_vocab"], top_p: float
+) -> Float[Tensor, "batch d_vocab"]:
     """Nucleus sampling's filter (Holtzman et al., 2020): keep, in each row, the fewest most
     likely tokens whose probabilities add up to at least `top_p`; set the others to -inf.
 
     The token that carries the total past `top_p` is kept, so the most likely token always is.
+
+    Course: chapter 6, exercise 6.7, checked by checks.gpt2.check_top_p_filter.
     """
     sorted_logits, order = logits.sort(dim=-1, descending=True)
     probs = sorted_logits.softmax(dim=-1)
     drop_sorted = probs.cumsum(dim=-1) - probs >= top_p  # the mass before it already reaches top_p
     drop = drop_sorted.scatter(-1, order, drop_sorted)
     return logits.masked_fill(drop, float("-inf"))
+
+
+# Per block: the keys and the values of every position so far, each (batch, n_heads, pos, d_head).
+KVCache = list[tuple[Tensor, Tensor]]
+
+
+def forward_with_cache(
+    model: GPT2,
+    tokens: Int[Tensor, "batch new"],
+    cache: KVCache | None = None,
+) -> tuple[Float[Tensor, "batch new d_vocab"], KVCache]:
+    """GPT-2's forward pass for `tokens` that continue the positions held in `cache`: returns the
+    logits of the new positions and the cache extended by them.
+
+    `cache` is None (nothing comes before `tokens`) or what the previous call returned: for each
+    block, the keys and the values of every earlier position, each of shape
+    `(batch, n_heads, pos, d_head)`. An earlier position's keys and values never change (it
+    attends only to itself and to positions before it), so one generation step runs only the
+    new token through the model. The new positions are numbered after the cached ones; each new
+    query attends to every cached key and to the new keys up to its own. The logits are those
+    of `model(all the tokens so far)` at the new positions. For generation: no dropout, no
+    hooks, at most `n_ctx` positions in all.
+
+    Course: chapter 6, exercise 6.11, checked by checks.gpt2.check_kv_cache.
+    """
+    validate_tokens(tokens, model.cfg)
+    start = 0 if cache is None else cache[0][0].shape[-2]
+    end = start + tokens.shape[1]
+    if end > model.cfg.n_ctx:
+        raise ValueError(
+            f"tokens: expected at most n_ctx={model.cfg.n_ctx} positions with the {start} "
+            f"cached ones, got {end}"
+        )
+    residual = model.embed(tokens) + model.pos_embed.W_pos[start:end]
+    mask = causal_mask(tokens.shape[1], end, device=tokens.device)  # the last query sees all
+    new_cache = []
+    for layer, block in enumerate(model.blocks):
+        attn, x = block.attn, block.ln1(residual)
+        q, k, v = (
+            einops.einsum(x, W, "batch pos d_model, head d_model d_head -> batch head pos d_head")
+            + b[:, None]
+            for W, b in ((attn.W_Q, attn.b_Q), (attn.W_K, attn.b_K), (attn.W_V, attn.b_V))
+        )
+        if cache is not None:
+            k = torch.cat([cache[layer][0], k], dim=-2)
+            v = torch.cat([cache[layer][1], v], dim=-2)
+        new_cache.append((k, v))
+        z, _ = scaled_dot_product_attention(q, k, v, mask)
+        z = einops.rearrange(z, "batch head pos d_head -> batch pos (head d_head)")
+        residual = residual + z @ attn.W_O.flatten(0, 1) + attn.b_O  # heads concatenated
+        residual = residual + block.mlp(block.ln2(residual))
+    return model.unembed(model.ln_final(residual)), new_cache
 
 
 def train_step(
@@ -403,7 +435,10 @@ def train_step(
     grad_clip: float | None = 1.0,
 ) -> float:
     """One step of next-token training: forward in train mode, loss, fresh gradients, clip
-    their global norm to `grad_clip` (None: no clipping), update; returns the loss."""
+    their global norm to `grad_clip` (None: no clipping), update; returns the loss.
+
+    Course: chapter 6, exercise 6.9, checked by checks.gpt2.check_train_step.
+    """
     model.train()
     loss = lm_loss(model(tokens), targets)
     optimizer.zero_grad(set_to_none=True)
@@ -414,50 +449,16 @@ def train_step(
     return loss.item()
 
 
-def lm_loss(logits: Float[Tensor, "batch pos d_vocab"], targets: Int[Tensor, "batch pos"]) -> Float[Tensor, ""]:
-    """Mean cross-entropy of the next-token predictions (`targets` are the inputs shifted by one)."""
+def lm_loss(
+    logits: Float[Tensor, "batch pos d_vocab"], targets: Int[Tensor, "batch pos"]
+) -> Float[Tensor, ""]:
+    """Mean cross-entropy of the next-token predictions (`targets` are the inputs shifted by one).
+
+    Course: chapter 6.
+    """
     if logits.shape[:-1] != targets.shape:
         raise ValueError(
-            f"targets: expected shape {tuple(logits.shape[:-1])} (logits without d_vocab), got {tuple(targets.shape)}"
+            f"targets: expected shape {tuple(logits.shape[:-1])} (logits without d_vocab), "
+            f"got {tuple(targets.shape)}"
         )
     return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
-
-
-def sample_batch(
-    data: Int[Tensor, " n_tokens"],
-    batch_size: int,
-    block_size: int,
-    *,
-    generator: torch.Generator | None = None,
-) -> tuple[Int[Tensor, "batch pos"], Int[Tensor, "batch pos"]]:
-    """`batch_size` random windows of `block_size` tokens from `data`, and the same windows
-    shifted by one token: the inputs and the targets of next-token prediction."""
-    if data.ndim != 1 or data.numel() <= block_size:
-        raise ValueError(f"data: expected a 1-d tensor longer than block_size={block_size}, got shape {tuple(data.shape)}")
-    starts = torch.randint(len(data) - block_size, (batch_size,), generator=generator)
-    offsets = torch.arange(block_size)
-    x = data[starts[:, None] + offsets]
-    y = data[starts[:, None] + offsets + 1]
-    return x, y
-
-
-@torch.no_grad()
-def estimate_loss(
-    model: nn.Module,
-    data: Int[Tensor, " n_tokens"],
-    *,
-    batch_size: int,
-    block_size: int,
-    n_batches: int,
-    generator: torch.Generator | None = None,
-) -> float:
-    """Mean loss over `n_batches` random batches (nanoGPT's `estimate_loss`), in eval mode."""
-    was_training = model.training
-    model.eval()
-    device = next(model.parameters()).device
-    total = torch.zeros((), device=device)
-    for _ in range(n_batches):
-        x, y = sample_batch(data, batch_size, block_size, generator=generator)
-        total += lm_loss(model(x.to(device)), y.to(device))
-    model.train(was_training)
-    return total.item() / n_batches  # one host synchronisation, not one per batch

@@ -18,6 +18,9 @@ on the device until the next log line, and the fused AdamW skips a non-finite st
 Under `torchrun` (when `torch.distributed` is initialised) the model is wrapped in
 `DistributedDataParallel`; every rank calls `get_batch(step)`, which must return that rank's
 own shard of the step's data; only rank 0 prints and saves.
+
+Beside the loop, as in nanoGPT's `train.py`: `sample_batch` draws random windows of a token
+stream for next-token prediction and `estimate_loss` averages the loss over a few of them.
 """
 
 from __future__ import annotations
@@ -35,9 +38,13 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
+from jaxtyping import Int
 from torch import Tensor, nn
 
+from transformer_course import validate
 from transformer_course.files import atomic_write
+from transformer_course.gpt2 import lm_loss
+from transformer_course.runtime import evaluating
 
 Batch = Any
 CHECKPOINT_NAME = "checkpoint.pt"
@@ -56,6 +63,8 @@ class TrainConfig:
     when `checkpoint_dir` is set). `amp` turns on bfloat16 autocast, on CUDA only. `best_metric`
     names a metric returned by `evaluate` (lower is better): the weights where it was lowest are
     kept in `History.best_state` and, with `checkpoint_dir`, in `best.pt`.
+
+    Course: chapter 5.
     """
 
     max_steps: int
@@ -77,39 +86,40 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         for name in ("max_steps", "warmup_steps", "eval_every", "log_every", "checkpoint_every"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise ValueError(f"{name}: expected an int >= 0, got {value!r}")
-        if not _is_number(self.lr) or not 0 < self.lr < math.inf:
-            raise ValueError(f"lr: expected a finite learning rate > 0, got {self.lr!r}")
-        for name in ("min_lr", "weight_decay"):
-            value = getattr(self, name)
-            if not _is_number(value) or not 0 <= value < math.inf:
-                raise ValueError(f"{name}: expected a finite number >= 0, got {value!r}")
-        clip = self.grad_clip
-        if clip is not None and (not _is_number(clip) or not 0 <= clip < math.inf):
-            raise ValueError(f"grad_clip: expected None (no clipping) or finite >= 0, got {clip}")
-        if len(self.betas) != 2 or not all(_is_number(b) and 0 <= b < 1 for b in self.betas):
-            raise ValueError(f"betas: expected two numbers in [0, 1), got {self.betas!r}")
+            validate.integer(name, getattr(self, name), low=0)
+        validate.number("lr", self.lr, low=0, low_open=True)
+        validate.number("min_lr", self.min_lr, low=0)
+        validate.number("weight_decay", self.weight_decay, low=0)
+        if self.grad_clip is not None:
+            validate.number("grad_clip", self.grad_clip, low=0)
+        if len(self.betas) != 2:
+            raise ValueError(f"betas: expected two numbers (beta1, beta2), got {self.betas!r}")
+        for index, beta in enumerate(self.betas):
+            validate.probability(f"betas[{index}]", beta)
         if not callable(self.lr_schedule) and self.lr_schedule not in SCHEDULES:
-            raise ValueError(f"lr_schedule: expected one of {SCHEDULES} or a function, got {self.lr_schedule!r}")
+            raise ValueError(
+                f"lr_schedule: expected one of {SCHEDULES} or a function, got {self.lr_schedule!r}"
+            )
         if self.checkpoint_every and self.checkpoint_dir is None:
-            raise ValueError("checkpoint_dir: checkpoint_every is set, so a directory is needed, got None")
+            raise ValueError(
+                "checkpoint_dir: checkpoint_every is set, so a directory is needed, got None"
+            )
         folder = self.checkpoint_dir
         if folder is not None and Path(folder).exists() and not Path(folder).is_dir():
             raise ValueError(f"checkpoint_dir: expected a directory, got the file {folder}")
         metric = self.best_metric
         if metric is not None and not (isinstance(metric, str) and metric):
             raise ValueError(f"best_metric: expected None or the name of a metric, got {metric!r}")
-
-
-def _is_number(value: object) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and not math.isnan(value)
+        validate.flag("amp", self.amp)
+        validate.flag("progress", self.progress)
 
 
 @dataclass
 class History:
-    """What happened during training: one entry per step, plus one record per evaluation."""
+    """What happened during training: one entry per step, plus one record per evaluation.
+
+    Course: chapter 5.
+    """
 
     step: list[int] = field(default_factory=list)
     train_loss: list[float] = field(default_factory=list)
@@ -137,14 +147,22 @@ class History:
 
 
 def constant_lr(step: int, *, lr: float, warmup_steps: int = 0) -> float:
-    """`lr` after a linear warmup from `lr / warmup_steps`."""
+    """`lr` after a linear warmup from `lr / warmup_steps`.
+
+    Course: chapter 5.
+    """
     if step < warmup_steps:
         return lr * (step + 1) / warmup_steps
     return lr
 
 
-def cosine_lr(step: int, *, lr: float, warmup_steps: int, max_steps: int, min_lr: float = 0.0) -> float:
-    """Linear warmup to `lr`, then half a cosine down to `min_lr` at `max_steps`."""
+def cosine_lr(
+    step: int, *, lr: float, warmup_steps: int, max_steps: int, min_lr: float = 0.0
+) -> float:
+    """Linear warmup to `lr`, then half a cosine down to `min_lr` at `max_steps`.
+
+    Course: chapter 6.
+    """
     if step < warmup_steps:
         return lr * (step + 1) / warmup_steps
     progress = min(1.0, (step - warmup_steps) / max(1, max_steps - warmup_steps))
@@ -163,26 +181,37 @@ def inverse_sqrt_lr(step: int, *, lr: float, warmup_steps: int) -> float:
 
 
 def lr_at(cfg: TrainConfig, step: int) -> float:
-    """The learning rate `cfg` asks for at `step` (counted from 0)."""
+    """The learning rate `cfg` asks for at `step` (counted from 0).
+
+    Course: chapter 5.
+    """
     if callable(cfg.lr_schedule):
         return float(cfg.lr_schedule(step))
     if cfg.lr_schedule == "cosine":
-        return cosine_lr(step, lr=cfg.lr, warmup_steps=cfg.warmup_steps, max_steps=cfg.max_steps, min_lr=cfg.min_lr)
+        return cosine_lr(
+            step,
+            lr=cfg.lr,
+            warmup_steps=cfg.warmup_steps,
+            max_steps=cfg.max_steps,
+            min_lr=cfg.min_lr,
+        )
     if cfg.lr_schedule == "inverse_sqrt":
         return inverse_sqrt_lr(step, lr=cfg.lr, warmup_steps=cfg.warmup_steps)
     return constant_lr(step, lr=cfg.lr, warmup_steps=cfg.warmup_steps)
 
 
 def _decays(name: str, param: nn.Parameter) -> bool:
-    """Weight decay applies to matrices only: not to biases (`b`, `b_Q`, `bias`, ...) or norm gains."""
+    """Weight decay applies to matrices only: not to biases (`b`, `b_Q`, `bias`, ...) or norm
+    gains."""
     leaf = name.rsplit(".", 1)[-1]
     return param.ndim >= 2 and not (leaf in ("b", "bias") or leaf.startswith("b_"))
 
 
 def make_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
-    """AdamW with two groups: weight decay on matrices (embeddings included), none on biases and norms.
+    """AdamW with two groups: weight decay on matrices (embeddings included), none on biases and
+    norms. Uses the fused CUDA kernel when the model lives on a GPU.
 
-    Uses the fused CUDA kernel when the model lives on a GPU.
+    Course: chapter 6.
     """
     params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     decay = [p for n, p in params if _decays(n, p)]
@@ -222,7 +251,9 @@ def _describe_mismatch(saved: dict[str, Any], current: dict[str, Any]) -> list[s
         elif new is None:
             problems.append(f"parameter {name}: in the checkpoint but not in this model")
         elif tuple(old) != tuple(new):
-            problems.append(f"parameter {name}: checkpoint shape {tuple(old)}, this model {tuple(new)}")
+            problems.append(
+                f"parameter {name}: checkpoint shape {tuple(old)}, this model {tuple(new)}"
+            )
     return problems
 
 
@@ -246,9 +277,16 @@ def _set_rng_state(state: dict[str, Any]) -> None:
 
 
 def save_checkpoint(
-    path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer | None, step: int, history: History
+    path: str | Path,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    step: int,
+    history: History,
 ) -> None:
-    """Save everything needed to resume after `step` completed steps."""
+    """Save everything needed to resume after `step` completed steps.
+
+    Course: chapter 5.
+    """
     checkpoint = {
         "model": model.state_dict(),
         "optimizer": optimizer.state_dict() if optimizer is not None else None,
@@ -262,7 +300,10 @@ def save_checkpoint(
 
 def read_checkpoint(path: str | Path) -> dict[str, Any]:
     """Read a checkpoint written by `save_checkpoint`, refusing (with the file and the field named)
-    one that is empty, truncated, not a checkpoint, or missing a field."""
+    one that is empty, truncated, not a checkpoint, or missing a field.
+
+    Course: chapter 5.
+    """
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"path: no checkpoint at {path}")
@@ -302,6 +343,8 @@ def load_checkpoint(
     """Load a checkpoint into `model` (and `optimizer`); returns the whole checkpoint dict.
 
     A checkpoint from a different architecture is refused with a list of what differs.
+
+    Course: chapter 5.
     """
     checkpoint = read_checkpoint(path)
     try:
@@ -310,8 +353,8 @@ def load_checkpoint(
         raise ValueError(f"checkpoint {path}: field 'architecture' is malformed: {error}") from None
     if problems:
         raise ValueError(
-            f"checkpoint {path} was saved from a different model; use another checkpoint_dir or the "
-            "same configuration:\n  " + "\n  ".join(problems)
+            f"checkpoint {path} was saved from a different model; use another checkpoint_dir or "
+            "the same configuration:\n  " + "\n  ".join(problems)
         )
     model.load_state_dict(checkpoint["model"])
     if optimizer is not None and checkpoint["optimizer"] is not None:
@@ -354,6 +397,198 @@ def _all_finite(params: list[Tensor]) -> bool:
     return bool(torch.stack([p.detach().isfinite().all() for p in params]).all())
 
 
+def _is_due(done: int, every: int, max_steps: int) -> bool:
+    """Whether, after `done` steps, an action repeated every `every` steps (0: only at the end)
+    is due: at each multiple of `every`, and always at the last step."""
+    return done == max_steps or (every > 0 and done % every == 0)
+
+
+class _Progress:
+    """Log records: a tqdm bar on a terminal, plain lines in a notebook or a log file."""
+
+    def __init__(self, cfg: TrainConfig, start: int, show: bool, on_log: Callable | None):
+        self.show, self.on_log = show and cfg.progress, on_log
+        self.started = time.perf_counter()
+        self.bar = None
+        if self.show and _draw_bar() and start < cfg.max_steps:
+            from tqdm.auto import tqdm
+
+            self.bar = tqdm(total=cfg.max_steps, initial=start, file=sys.stderr, dynamic_ncols=True)
+
+    def report(self, record: dict[str, float], lr: float) -> None:
+        if self.on_log is not None:
+            self.on_log(record)
+        if not self.show:
+            return
+        if self.bar is not None:
+            if "loss" in record:
+                self.bar.set_postfix(loss=f"{record['loss']:.3f}", lr=f"{lr:.1e}")
+            self.bar.write(_format(record))
+        else:
+            print(f"{_format(record)} | {time.perf_counter() - self.started:.0f}s", flush=True)
+
+    def advance(self) -> None:
+        if self.bar is not None:
+            self.bar.update(1)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def _resume(path: Path, best_path: Path, model: nn.Module, optimizer: torch.optim.Optimizer):
+    """Load the checkpoint at `path` into `model` and `optimizer`, restore every random number
+    generator, and return its step and history (with the best weights, if `best_path` holds
+    the ones the history names)."""
+    checkpoint = load_checkpoint(path, model, optimizer)
+    try:
+        history = History.from_dict(checkpoint["history"])
+    except (TypeError, ValueError) as error:
+        raise ValueError(f"checkpoint {path}: field 'history' is malformed: {error}") from None
+    _set_rng_state(checkpoint["rng"])
+    if history.best and best_path.exists():
+        best = read_checkpoint(best_path)
+        if best["step"] == history.best["step"]:
+            history.best_state = best["model"]
+    if history.best_state is None:
+        history.best = {}  # best.pt missing, or from after this checkpoint: found again later
+    return checkpoint["step"], history
+
+
+class _Run:
+    """One call of `train`: the model (wrapped for DDP), the optimizer, the history, the files,
+    and the step losses still waiting on the device."""
+
+    def __init__(self, model: nn.Module, cfg: TrainConfig, optimizer, on_log) -> None:
+        self.cfg, self.raw_model = cfg, model
+        self.distributed = dist.is_available() and dist.is_initialized()
+        self.is_main = not self.distributed or dist.get_rank() == 0
+        self.device = next(model.parameters()).device
+        self.model = model
+        if self.distributed:
+            from torch.nn.parallel import DistributedDataParallel
+
+            ids = [self.device.index] if self.device.type == "cuda" else None
+            self.model = DistributedDataParallel(model, device_ids=ids)
+        self.optimizer = optimizer if optimizer is not None else make_optimizer(model, cfg)
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.use_amp = cfg.amp and self.device.type == "cuda"
+        folder = Path(cfg.checkpoint_dir) if cfg.checkpoint_dir is not None else None
+        self.checkpoint_path = folder / CHECKPOINT_NAME if folder is not None else None
+        self.best_path = folder / BEST_NAME if folder is not None else None
+        self.start, self.history = 0, History()
+        if self.checkpoint_path is not None and self.checkpoint_path.exists():
+            self.start, self.history = _resume(
+                self.checkpoint_path, self.best_path, model, self.optimizer
+            )
+            if self.is_main and cfg.progress:
+                done = self.start >= cfg.max_steps
+                action = "loaded the finished run" if done else "resuming"
+                print(f"{action} from {self.checkpoint_path} (step {self.start})", flush=True)
+        else:
+            random.seed(cfg.seed)
+            np.random.seed(cfg.seed)
+            torch.manual_seed(cfg.seed)
+        self.saved_step = self.start
+        self.pending: list[tuple[int, Tensor, Tensor]] = []  # (step, loss, grad norm), on device
+        self.progress = _Progress(cfg, self.start, self.is_main, on_log)
+
+    def autocast(self) -> torch.autocast:
+        return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.use_amp)
+
+    def step(self, step: int, get_batch: Callable, loss_fn: Callable) -> float:
+        """One optimizer step (skipped if the loss or the gradients are not finite); returns
+        its learning rate. The loss and the gradient norm stay on the device, pending."""
+        lr = lr_at(self.cfg, step)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        batch = get_batch(step)
+        with self.autocast():
+            loss = loss_fn(self.model, batch)
+        loss.backward()
+        clip = self.cfg.grad_clip if self.cfg.grad_clip else math.inf
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.params, clip)
+        finite = torch.isfinite(loss.detach()) & torch.isfinite(grad_norm)
+        _step_if_finite(self.optimizer, finite)
+        self.optimizer.zero_grad(set_to_none=True)
+        loss_value = loss.detach()
+        if self.distributed:
+            dist.all_reduce(loss_value, op=dist.ReduceOp.AVG)
+        self.pending.append((step, loss_value, grad_norm.detach()))
+        self.history.lr.append(lr)
+        return lr
+
+    def collect(self) -> None:
+        """Bring the pending losses and gradient norms to the host (one synchronisation) and stop
+        on the first step whose loss or gradients were not finite (that step was not taken)."""
+        if not self.pending:
+            return
+        values = torch.stack([torch.stack(pair) for _, *pair in self.pending]).float().tolist()
+        steps = [step for step, _, _ in self.pending]
+        self.pending.clear()
+        bad = [(s, *v) for s, v in zip(steps, values) if not all(map(math.isfinite, v))]
+        if bad:
+            step, loss, norm = bad[0]
+            path = self.checkpoint_path
+            kept = f"; {path} (step {self.saved_step}) is intact" if path else ""
+            raise FloatingPointError(
+                f"step {step}: loss {loss}, gradient norm {norm}: not finite, so the step was not "
+                f"taken ({len(bad)} such step(s) up to step {steps[-1]}) and training "
+                f"stopped{kept}. Lower lr or check the data"
+            )
+        self.history.step.extend(steps)
+        self.history.train_loss.extend(loss for loss, _ in values)
+        self.history.grad_norm.extend(norm for _, norm in values)
+
+    def save(self, path: Path, step: int) -> None:
+        """Rank 0 writes a checkpoint (never of non-finite weights); every rank waits for it."""
+        if self.is_main:
+            if not _all_finite(self.params):
+                raise FloatingPointError(f"step {step}: weights not finite; {path} was not written")
+            save_checkpoint(path, self.raw_model, self.optimizer, step, self.history)
+        if self.distributed:
+            dist.barrier()
+
+    def evaluate(self, evaluate: Callable, done: int) -> dict[str, float]:
+        """Run `evaluate` in eval mode without gradients, record its metrics and keep the best."""
+        self.collect()
+        with evaluating(self.model), self.autocast():
+            metrics = {k: float(v) for k, v in evaluate(self.raw_model).items()}
+        self.history.evals.append({"step": done, **metrics})
+        name = self.cfg.best_metric
+        if name is not None:
+            if name not in metrics:
+                got = sorted(metrics)
+                raise ValueError(f"best_metric: {name!r} is not among evaluate's metrics {got}")
+            value, best = metrics[name], self.history.best
+            if math.isfinite(value) and (not best or value < best[name]):
+                self.history.best = {"step": done, name: value}
+                state = self.raw_model.state_dict()
+                self.history.best_state = {k: v.detach().cpu().clone() for k, v in state.items()}
+                if self.best_path is not None:
+                    self.save(self.best_path, done)
+        return metrics
+
+    def after_step(self, done: int, lr: float, evaluate: Callable | None) -> None:
+        """What is due after `done` steps: the log line, the evaluation, the checkpoint."""
+        cfg, record = self.cfg, None
+        if cfg.log_every and _is_due(done, cfg.log_every, cfg.max_steps):
+            self.collect()  # on every rank: all stop together on a non-finite step
+            window = self.history.train_loss[-cfg.log_every :]
+            record = {"step": done, "loss": sum(window) / len(window), "lr": lr}
+        if evaluate is not None and _is_due(done, cfg.eval_every, cfg.max_steps):
+            metrics = self.evaluate(evaluate, done)
+            record = {**(record or {"step": done}), **metrics}
+        if record is not None and self.is_main:
+            self.progress.report(record, lr)
+        self.progress.advance()
+        due = _is_due(done, cfg.checkpoint_every, cfg.max_steps)
+        if self.checkpoint_path is not None and due:
+            self.collect()
+            self.save(self.checkpoint_path, done)
+            self.saved_step = done
+
+
 def train(
     model: nn.Module,
     cfg: TrainConfig,
@@ -375,157 +610,73 @@ def train(
     If `cfg.checkpoint_dir` holds a checkpoint, training resumes from it. The model ends with the
     weights of the last step; with `cfg.best_metric`, `History.best` says which evaluation was
     best and `History.best_state` holds its weights.
+
+    Course: chapter 5.
     """
     if cfg.best_metric is not None and evaluate is None:
         raise ValueError(f"evaluate: best_metric={cfg.best_metric!r} needs a function, got None")
-    distributed = dist.is_available() and dist.is_initialized()
-    is_main = not distributed or dist.get_rank() == 0
+    run = _Run(model, cfg, optimizer, on_log)
+    run.model.train()
+    for step in range(run.start, cfg.max_steps):
+        lr = run.step(step, get_batch, loss_fn)
+        run.after_step(step + 1, lr, evaluate)
+    run.collect()
+    run.progress.close()
+    run.model.eval()
+    return run.history
+
+
+# Data for next-token prediction.
+
+
+def sample_batch(
+    data: Int[Tensor, " n_tokens"],
+    batch_size: int,
+    block_size: int,
+    *,
+    generator: torch.Generator | None = None,
+) -> tuple[Int[Tensor, "batch pos"], Int[Tensor, "batch pos"]]:
+    """`batch_size` random windows of `block_size` tokens from `data`, and the same windows
+    shifted by one token: the inputs and the targets of next-token prediction.
+
+    Every window whose targets fit in `data` can be drawn, each with the same probability;
+    `generator` makes the draw repeatable.
+
+    Course: chapter 6, exercise 6.10, checked by checks.gpt2.check_sample_batch.
+    """
+    validate.positive_int("batch_size", batch_size)
+    validate.positive_int("block_size", block_size)
+    if data.ndim != 1 or data.numel() <= block_size:
+        raise ValueError(
+            f"data: expected a 1-d tensor longer than block_size={block_size}, "
+            f"got shape {tuple(data.shape)}"
+        )
+    starts = torch.randint(len(data) - block_size, (batch_size,), generator=generator)
+    offsets = torch.arange(block_size)
+    x = data[starts[:, None] + offsets]
+    y = data[starts[:, None] + offsets + 1]
+    return x, y
+
+
+def estimate_loss(
+    model: nn.Module,
+    data: Int[Tensor, " n_tokens"],
+    *,
+    batch_size: int,
+    block_size: int,
+    n_batches: int,
+    generator: torch.Generator | None = None,
+) -> float:
+    """Mean next-token loss over `n_batches` random batches of `data` (nanoGPT's
+    `estimate_loss`), in eval mode without gradients.
+
+    Course: chapter 6.
+    """
+    validate.positive_int("n_batches", n_batches)
     device = next(model.parameters()).device
-    raw_model = model
-    if distributed:
-        from torch.nn.parallel import DistributedDataParallel
-
-        model = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
-    if optimizer is None:
-        optimizer = make_optimizer(raw_model, cfg)
-    history = History()
-    start = 0
-    folder = Path(cfg.checkpoint_dir) if cfg.checkpoint_dir is not None else None
-    checkpoint_path = folder / CHECKPOINT_NAME if folder is not None else None
-    best_path = folder / BEST_NAME if folder is not None else None
-    if checkpoint_path is not None and checkpoint_path.exists():
-        checkpoint = load_checkpoint(checkpoint_path, raw_model, optimizer)
-        start = checkpoint["step"]
-        try:
-            history = History.from_dict(checkpoint["history"])
-        except (TypeError, ValueError) as error:
-            problem = f"checkpoint {checkpoint_path}: field 'history' is malformed: {error}"
-            raise ValueError(problem) from None
-        _set_rng_state(checkpoint["rng"])
-        if history.best and best_path.exists():
-            best = read_checkpoint(best_path)
-            if best["step"] == history.best["step"]:
-                history.best_state = best["model"]
-        if history.best_state is None:
-            history.best = {}  # best.pt missing, or from after this checkpoint: found again below
-        if is_main and cfg.progress:
-            action = "loaded the finished run" if start >= cfg.max_steps else "resuming"
-            print(f"{action} from {checkpoint_path} (step {start})", flush=True)
-    else:
-        random.seed(cfg.seed)
-        np.random.seed(cfg.seed)
-        torch.manual_seed(cfg.seed)
-
-    use_amp = cfg.amp and device.type == "cuda"
-    clip = cfg.grad_clip if cfg.grad_clip else math.inf
-    params = [p for p in raw_model.parameters() if p.requires_grad]
-    bar = None
-    if is_main and cfg.progress and _draw_bar() and start < cfg.max_steps:
-        from tqdm.auto import tqdm
-
-        bar = tqdm(total=cfg.max_steps, initial=start, file=sys.stderr, dynamic_ncols=True)
-    started = time.perf_counter()
-    pending: list[tuple[int, Tensor, Tensor]] = []  # (step, loss, grad norm), still on the device
-    saved_step = start
-
-    def collect() -> None:
-        """Bring the pending losses and gradient norms to the host (one synchronisation) and stop
-        on the first step whose loss or gradients were not finite (that step was not taken)."""
-        if not pending:
-            return
-        values = torch.stack([torch.stack(pair) for _, *pair in pending]).float().tolist()
-        steps = [step for step, _, _ in pending]
-        pending.clear()
-        bad = [(s, *v) for s, v in zip(steps, values) if not all(map(math.isfinite, v))]
-        if bad:
-            step, loss, norm = bad[0]
-            kept = f"; {checkpoint_path} (step {saved_step}) is intact" if checkpoint_path else ""
-            raise FloatingPointError(
-                f"step {step}: loss {loss}, gradient norm {norm}: not finite, so the step was not "
-                f"taken ({len(bad)} such step(s) up to step {steps[-1]}) and training "
-                f"stopped{kept}. Lower lr or check the data"
-            )
-        history.step.extend(steps)
-        history.train_loss.extend(loss for loss, _ in values)
-        history.grad_norm.extend(norm for _, norm in values)
-
-    def save(path: Path, step: int) -> None:
-        if is_main:
-            if not _all_finite(params):
-                raise FloatingPointError(f"step {step}: weights not finite; {path} was not written")
-            save_checkpoint(path, raw_model, optimizer, step, history)
-        if distributed:
-            dist.barrier()
-
-    def report(record: dict[str, float]) -> None:
-        if on_log is not None:
-            on_log(record)
-        if not cfg.progress:
-            return
-        if bar is not None:
-            if "loss" in record:
-                bar.set_postfix(loss=f"{record['loss']:.3f}", lr=f"{history.lr[-1]:.1e}")
-            bar.write(_format(record))
-        else:
-            print(f"{_format(record)} | {time.perf_counter() - started:.0f}s", flush=True)
-
-    model.train()
-    for step in range(start, cfg.max_steps):
-        lr = lr_at(cfg, step)
-        for group in optimizer.param_groups:
-            group["lr"] = lr
-        batch = get_batch(step)
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=use_amp):
-            loss = loss_fn(model, batch)
-        loss.backward()
-        grad_norm = torch.nn.utils.clip_grad_norm_(params, clip)
-        _step_if_finite(optimizer, torch.isfinite(loss.detach()) & torch.isfinite(grad_norm))
-        optimizer.zero_grad(set_to_none=True)
-
-        loss_value = loss.detach()
-        if distributed:
-            dist.all_reduce(loss_value, op=dist.ReduceOp.AVG)
-        pending.append((step, loss_value, grad_norm.detach()))
-        history.lr.append(lr)
-        done = step + 1
-        last = done == cfg.max_steps
-        record = None
-        if cfg.log_every and (done % cfg.log_every == 0 or last):
-            collect()  # on every rank: all stop together on a non-finite step
-            window = history.train_loss[-cfg.log_every :]
-            record = {"step": done, "loss": sum(window) / len(window), "lr": lr}
-        if evaluate is not None and ((cfg.eval_every and done % cfg.eval_every == 0) or last):
-            collect()
-            model.eval()
-            with torch.no_grad(), torch.autocast(device.type, dtype=torch.bfloat16, enabled=use_amp):
-                metrics = {k: float(v) for k, v in evaluate(raw_model).items()}
-            model.train()
-            history.evals.append({"step": done, **metrics})
-            if cfg.best_metric is not None:
-                name = cfg.best_metric
-                if name not in metrics:
-                    got = sorted(metrics)
-                    raise ValueError(f"best_metric: {name!r} is not among evaluate's metrics {got}")
-                value = metrics[name]
-                if math.isfinite(value) and (not history.best or value < history.best[name]):
-                    history.best = {"step": done, name: value}
-                    state = raw_model.state_dict()
-                    history.best_state = {k: v.detach().cpu().clone() for k, v in state.items()}
-                    if best_path is not None:
-                        save(best_path, done)
-            if is_main:
-                record = {**(record or {"step": done}), **metrics}
-        if record is not None and is_main:
-            report(record)
-        if bar is not None:
-            bar.update(1)
-        periodic = cfg.checkpoint_every and done % cfg.checkpoint_every == 0
-        if checkpoint_path is not None and (periodic or last):
-            collect()
-            save(checkpoint_path, done)
-            saved_step = done
-    collect()
-    if bar is not None:
-        bar.close()
-    model.eval()
-    return history
+    total = torch.zeros((), device=device)
+    with evaluating(model):
+        for _ in range(n_batches):
+            x, y = sample_batch(data, batch_size, block_size, generator=generator)
+            total += lm_loss(model(x.to(device)), y.to(device))
+    return total.item() / n_batches  # one host synchronisation, not one per batch

@@ -17,8 +17,17 @@ import torch
 from transformer_lens.hook_points import HookPoint
 
 __all__ = [
-    "CheckFailure", "call", "expect", "expect_close", "expect_hooks", "expect_same_in_train_mode",
-    "load_reference_weights", "passed"
+    "CheckFailure",
+    "call",
+    "construct",
+    "expect",
+    "expect_close",
+    "expect_hooks",
+    "expect_parameter",
+    "expect_same_in_train_mode",
+    "fill_random",
+    "load_reference_weights",
+    "passed",
 ]
 
 
@@ -58,6 +67,12 @@ def call(name: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         raise CheckFailure(f"`{name}` raised {type(exc).__name__}: {exc}") from exc
 
 
+def construct(name: str, cls: type, *args: Any, **kwargs: Any) -> torch.nn.Module:
+    """Build the learner's module `cls(*args, **kwargs)`; a blank or a crash is a `CheckFailure`
+    naming `name.__init__`."""
+    return call(f"{name}.__init__", cls, *args, **kwargs)
+
+
 def expect(condition: bool, name: str, problem: str, hint: str = "") -> None:
     """Fail with `problem` (and `hint`) unless `condition` holds."""
     if not condition:
@@ -77,7 +92,11 @@ def expect_close(
     rtol: float = 1e-4,
 ) -> None:
     """Check a tensor result: type, shape, no NaN, then values within `atol` + `rtol`."""
-    expect(isinstance(actual, torch.Tensor), name, f"expected a torch.Tensor, got {type(actual).__name__}.")
+    expect(
+        isinstance(actual, torch.Tensor),
+        name,
+        f"expected a torch.Tensor, got {type(actual).__name__}.",
+    )
     expect(
         tuple(actual.shape) == tuple(expected.shape),
         name,
@@ -89,7 +108,12 @@ def expect_close(
     if not torch.allclose(actual, expected, atol=atol, rtol=rtol):
         worst = (actual - expected).abs().max().item()
         used = f"{expected.dtype} output of shape {tuple(expected.shape)}".replace("torch.", "")
-        expect(False, name, f"values differ from the reference (max abs diff {worst:.3g}; {used}).", hint)
+        expect(
+            False,
+            name,
+            f"values differ from the reference (max abs diff {worst:.3g}; {used}).",
+            hint,
+        )
 
 
 def _hook_point(module: torch.nn.Module, hook: str, name: str) -> HookPoint:
@@ -106,7 +130,7 @@ def _hook_point(module: torch.nn.Module, hook: str, name: str) -> HookPoint:
     return point
 
 
-def _record(module: torch.nn.Module, hooks: list[str], name: str, run: Callable[[], Any]):
+def _record_hooks(module: torch.nn.Module, hooks: list[str], name: str, run: Callable[[], Any]):
     """Run `run()` recording the tensor each named hook point of `module` receives."""
     seen: dict[str, torch.Tensor] = {}
     points = {hook: _hook_point(module, hook, name) for hook in hooks}
@@ -138,9 +162,9 @@ def expect_hooks(
     """Run the learner's `module` and the `reference` on `args` and compare what each hook point
     in `hints` receives; the first that differs fails with its hint. Returns the module's output."""
     hooks = list(hints)
-    out, seen = _record(module, hooks, name, lambda: call(f"{name}.forward", module, *args))
+    out, seen = _record_hooks(module, hooks, name, lambda: call(f"{name}.forward", module, *args))
     with torch.no_grad():
-        _, expected = _record(reference, hooks, "reference", lambda: reference(*args))
+        _, expected = _record_hooks(reference, hooks, "reference", lambda: reference(*args))
     for hook, hint in hints.items():
         where = f"{name}.{hook}"
         expect(hook in seen, where, "this hook point never received a tensor.", hint)
@@ -151,24 +175,75 @@ def expect_hooks(
             f"expected shape {tuple(wanted.shape)}, got {tuple(actual.shape)}.",
             hint,
         )
-        expect(torch.allclose(actual.to(wanted.dtype), wanted, atol=atol, rtol=1e-6), where,
-               "received a tensor that differs from the reference's.", hint)
+        expect(
+            torch.allclose(actual.to(wanted.dtype), wanted, atol=atol, rtol=1e-6),
+            where,
+            "received a tensor that differs from the reference's.",
+            hint,
+        )
     return out
 
 
+def expect_parameter(
+    module: torch.nn.Module, name: str, owner: str, shape: tuple[int, ...]
+) -> torch.nn.Parameter:
+    """The learner's parameter `module.<name>`, after checking that it is an `nn.Parameter` of
+    `shape` (TransformerLens's layout)."""
+    param = getattr(module, name, None)
+    expect(
+        isinstance(param, torch.nn.Parameter),
+        owner,
+        f"expected a parameter named `{name}` (an nn.Parameter), got {type(param).__name__}.",
+        f"create it in __init__: self.{name} = nn.Parameter(torch.empty{shape}).",
+    )
+    expect(
+        tuple(param.shape) == shape,
+        owner,
+        f"`{name}` should have shape {shape}, got {tuple(param.shape)}.",
+        "TransformerLens layout: matrices are (d_in, d_out), embeddings are (rows, d_model).",
+    )
+    return param
+
+
+def fill_random(*params: torch.nn.Parameter, seed: int = 1) -> None:
+    """Give `params` standard-normal values, so a forward pass that ignores one shows up."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for param in params:
+            param.copy_(torch.randn(param.shape, generator=generator))
+
+
 def expect_same_in_train_mode(
-    name: str, module: torch.nn.Module, reference: torch.nn.Module, *args: Any, hint: str, atol: float = 1e-8
+    name: str,
+    module: torch.nn.Module,
+    reference: torch.nn.Module,
+    *args: Any,
+    hint: str,
+    atol: float = 1e-8,
 ) -> None:
     """Dropout: in eval mode two calls agree with the reference (no dropout at all); in train
     mode, under the same seed, the learner's dropout falls where the reference's does."""
     module.eval(), reference.eval()
     with torch.no_grad():
         expected = reference(*args)
-        first, second = call(f"{name}.forward", module, *args), call(f"{name}.forward", module, *args)
-    expect_close(first, expected, f"{name} (eval mode)", "in eval mode dropout must do nothing: use "
-                 "nn.Dropout modules or F.dropout(..., training=self.training).", atol=atol)
-    expect(torch.equal(first, second), f"{name} (eval mode)", "two calls give different outputs.",
-           "dropout is still active in eval mode: use F.dropout(..., training=self.training).")
+        first, second = (
+            call(f"{name}.forward", module, *args),
+            call(f"{name}.forward", module, *args),
+        )
+    expect_close(
+        first,
+        expected,
+        f"{name} (eval mode)",
+        "in eval mode dropout must do nothing: use "
+        "nn.Dropout modules or F.dropout(..., training=self.training).",
+        atol=atol,
+    )
+    expect(
+        torch.equal(first, second),
+        f"{name} (eval mode)",
+        "two calls give different outputs.",
+        "dropout is still active in eval mode: use F.dropout(..., training=self.training).",
+    )
     module.train(), reference.train()
     try:
         torch.manual_seed(1234)
@@ -180,7 +255,9 @@ def expect_same_in_train_mode(
     expect_close(actual, expected.detach(), f"{name} (train mode, dropout on)", hint, atol=atol)
 
 
-def load_reference_weights(name: str, module: torch.nn.Module, reference: torch.nn.Module, parts: str) -> None:
+def load_reference_weights(
+    name: str, module: torch.nn.Module, reference: torch.nn.Module, parts: str
+) -> None:
     """Give the learner's module the reference's weights, or say which attribute names it needs."""
     try:
         module.load_state_dict(reference.state_dict())

@@ -1,0 +1,113 @@
+"""Hugging Face's GPT-2 in the course's layout: its config as a `GPT2Config`, its weights as a
+state dict that `GPT2.load_state_dict` takes.
+
+Hugging Face keeps OpenAI's TensorFlow layout. Its `Conv1D` layers store each weight as
+`(d_in, d_out)`, the transpose of `nn.Linear` and the layout of our `x @ W` matrices, so no
+transpose is needed; attention keeps Q, K and V side by side in one `c_attn` matrix of width
+`3 * d_model`, which we split and reshape per head; the language-model head is tied to the
+token embedding and has no bias. The names on the course's side are TransformerLens's (its own
+conversion is `transformer_lens.pretrained.weight_conversions.convert_gpt2_weights`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import einops
+import torch
+from torch import Tensor
+
+from transformer_course.gpt2 import GPT2Config
+
+__all__ = ["config_from_huggingface", "convert_hf_gpt2_state_dict"]
+
+# Options of Hugging Face's GPT2Config that change the computation away from GPT-2's.
+NOT_GPT2 = ("scale_attn_by_inverse_layer_idx", "reorder_and_upcast_attn", "add_cross_attention")
+
+
+def config_from_huggingface(hf_config: Any) -> GPT2Config:
+    """The `GPT2Config` of a Hugging Face `GPT2Config`, refusing options GPT-2 does not have.
+
+    Course: chapter 6.
+    """
+    for option in NOT_GPT2:
+        if getattr(hf_config, option, False):
+            raise ValueError(f"hf_config.{option}: expected False (as in GPT-2), got True")
+    if not getattr(hf_config, "scale_attn_weights", True):
+        raise ValueError("hf_config.scale_attn_weights: expected True (as in GPT-2), got False")
+    return GPT2Config(
+        d_model=hf_config.n_embd,
+        n_layers=hf_config.n_layer,
+        n_heads=hf_config.n_head,
+        d_mlp=hf_config.n_inner or 4 * hf_config.n_embd,
+        d_vocab=hf_config.vocab_size,
+        n_ctx=hf_config.n_positions,
+        layer_norm_eps=hf_config.layer_norm_epsilon,
+        init_range=hf_config.initializer_range,
+        act_fn=hf_config.activation_function,
+    )
+
+
+def convert_hf_gpt2_state_dict(
+    hf_state_dict: Mapping[str, Tensor], cfg: GPT2Config
+) -> dict[str, Tensor]:
+    """The weights of a Hugging Face `GPT2LMHeadModel` (its `state_dict()`) under the course's
+    (TransformerLens's) names and shapes, for a `GPT2` of configuration `cfg`.
+
+    `unembed.W_U` is `lm_head.weight` transposed (its own tensor, as in TransformerLens) and
+    `unembed.b_U` is zero. The tensors keep their dtype and device.
+
+    Course: chapter 6.
+    """
+    last_layer = f"transformer.h.{cfg.n_layers - 1}.attn.c_attn.weight"
+    for key in ("transformer.wte.weight", "lm_head.weight", last_layer):
+        if key not in hf_state_dict:
+            raise TypeError(
+                f"hf_state_dict: expected the state dict of a GPT2LMHeadModel with "
+                f"n_layers={cfg.n_layers}, but {key!r} is missing"
+            )
+    hf = hf_state_dict
+    lm_head = hf["lm_head.weight"]
+    state = {
+        "embed.W_E": hf["transformer.wte.weight"],
+        "pos_embed.W_pos": hf["transformer.wpe.weight"],
+        "ln_final.w": hf["transformer.ln_f.weight"],
+        "ln_final.b": hf["transformer.ln_f.bias"],
+        "unembed.W_U": lm_head.T,
+        "unembed.b_U": torch.zeros(cfg.d_vocab, dtype=lm_head.dtype, device=lm_head.device),
+    }
+    for layer in range(cfg.n_layers):
+        state.update(_convert_block(hf, f"transformer.h.{layer}.", f"blocks.{layer}.", cfg.n_heads))
+    return state
+
+
+def _convert_block(hf: Mapping[str, Tensor], src: str, dst: str, n_heads: int) -> dict[str, Tensor]:
+    """One transformer block: Hugging Face's keys under `src`, ours under `dst`."""
+    state = {}
+    # c_attn holds [Q | K | V] along its output dimension, each (d_model, n_heads * d_head).
+    weights = hf[src + "attn.c_attn.weight"].chunk(3, dim=1)
+    biases = hf[src + "attn.c_attn.bias"].chunk(3, dim=0)
+    for name, weight, bias in zip("QKV", weights, biases):
+        state[f"{dst}attn.W_{name}"] = einops.rearrange(
+            weight, "d_model (head d_head) -> head d_model d_head", head=n_heads
+        )
+        state[f"{dst}attn.b_{name}"] = einops.rearrange(
+            bias, "(head d_head) -> head d_head", head=n_heads
+        )
+    state[dst + "attn.W_O"] = einops.rearrange(
+        hf[src + "attn.c_proj.weight"], "(head d_head) d_model -> head d_head d_model", head=n_heads
+    )
+    state[dst + "attn.b_O"] = hf[src + "attn.c_proj.bias"]
+    renamed = {
+        "ln1.w": "ln_1.weight",
+        "ln1.b": "ln_1.bias",
+        "ln2.w": "ln_2.weight",
+        "ln2.b": "ln_2.bias",
+        "mlp.W_in": "mlp.c_fc.weight",
+        "mlp.b_in": "mlp.c_fc.bias",
+        "mlp.W_out": "mlp.c_proj.weight",
+        "mlp.b_out": "mlp.c_proj.bias",
+    }
+    state.update({dst + ours: hf[src + theirs] for ours, theirs in renamed.items()})
+    return state
