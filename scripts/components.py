@@ -46,11 +46,11 @@ class Component:
 
 
 def course_line(obj: object) -> str | None:
-    """The `Course:` line of an object's own docstring, if it has one."""
+    """The `Course:` line that ends an object's own docstring (it may wrap), if it has one."""
     doc = obj.__doc__  # a class's own: __doc__ is not inherited
     lines = [line.strip() for line in inspect.cleandoc(doc or "").splitlines()]
-    found = [line for line in lines if line.startswith("Course:")]
-    return found[-1] if found else None
+    starts = [i for i, line in enumerate(lines) if line.startswith("Course:")]
+    return " ".join(lines[starts[-1] :]).strip() if starts else None
 
 
 def components() -> list[Component]:

@@ -35,7 +35,7 @@ from transformer_course.attention import (
     scaled_dot_product_attention,
     set_fast_path,
 )
-from transformer_course.blocks import ACTIVATIONS
+from transformer_course.blocks import ACTIVATIONS, residual_sublayer
 from transformer_course.checks.blocks import check_mlp, check_transformer_block
 from transformer_course.checks.gpt2 import (
     check_against_huggingface,
@@ -117,22 +117,25 @@ check_mlp(MLP)
 # A block reads the residual stream and adds two things to it: what causal self-attention
 # finds, then what the MLP computes. GPT-2 normalises each sublayer's **input** (pre-LN) and
 # leaves the stream itself alone; the original transformer normalised **after** each sum
-# (post-LN). `self.norm` says which. Attention is always causal here: call it with
-# `causal=True` (on the fast path PyTorch's fused kernel then hides the future without building
-# a mask) and pass on the optional `mask` you are given.
-# `self.dropout` goes on each sublayer's output before it joins the stream. Pass the stream and
-# the two sublayer outputs through the five hook points, in the order their comments in
-# `__init__` give.
+# (post-LN). `self.norm` says which. Chapter 5's `residual_sublayer` (imported above) wires one
+# sublayer either way, with its dropout and its output hook; chapter 5's decoder also adds a
+# cross-attention sublayer, which GPT-2 does not have (`cross_attention=False`, the default).
+# Attention is causal here (`self.causal`): pass it on with `causal=...` (on the fast path
+# PyTorch's fused kernel then hides the future without building a mask), along with the
+# optional `mask` you are given. Pass the stream through the hook points in the order their
+# comments in `__init__` give.
 #
 # `__init__` builds the block from chapter 2's `MultiHeadAttention`, chapter 4's `LayerNorm`
 # and **your** `MLP` from above.
 
 # %% [exercise] transformer_course.blocks:TransformerBlock blank=forward difficulty=3 importance=5 minutes=25
-# hint: Pre-LN, one sublayer: `attn_out = dropout(attn(ln1(resid), mask=mask, causal=True))`, then
-#   `resid = resid + attn_out`. The MLP sublayer is the same with `ln2` and `mlp`.
-# hint: Post-LN normalises the sum instead: `resid = ln1(resid + dropout(attn(resid, ...)))`.
-# hint: Hooks in order: `hook_resid_pre` on the input, `hook_attn_out` on what attention adds,
-#   `hook_resid_mid` on the stream between the sublayers, `hook_mlp_out`, `hook_resid_post`.
+# hint: Two sublayers, each one `residual_sublayer` call: attention with `ln1`, then the MLP
+#   with `ln2`. Its `sublayer` argument is any function of one tensor.
+# hint: Attention needs more than one argument: wrap it, e.g. in a small local function that
+#   calls `self.attn` with the mask and `causal=self.causal`.
+# hint: Hooks in order: `hook_resid_pre` on the input, `hook_resid_mid` between the sublayers,
+#   `hook_resid_post` on the output; `residual_sublayer` feeds `hook_attn_out` and
+#   `hook_mlp_out` through its `hook_out` argument.
 
 # %% [check]
 check_transformer_block(TransformerBlock)

@@ -51,7 +51,7 @@ def number(
             bounds.append(f"{'>' if low_open else '>='} {low:g}")
         if high < math.inf:
             bounds.append(f"<= {high:g}")
-        wanted = " and ".join(["a finite number", *bounds])
+        wanted = " ".join(["a finite number", " and ".join(bounds)]).strip()
         raise ValueError(f"{name}: expected {wanted}, got {value!r}")
     return float(value)
 

@@ -177,7 +177,7 @@ def _noisy_block(norm: str) -> TransformerBlock:
 
 
 def check_transformer_block(cls: type) -> None:
-    """`TransformerBlock(d_model, n_heads, d_head, d_mlp, *, ln_eps, norm, act_fn, dropout)`:
+    """`TransformerBlock(d_model, n_heads, d_head, d_mlp, *, layer_norm_eps, norm, act_fn, dropout)`:
     causal self-attention and an MLP on the residual stream, pre-LN or post-LN."""
     name = "TransformerBlock"
     x = torch.randn(2, 5, 16, generator=torch.Generator().manual_seed(4), dtype=torch.float64)
