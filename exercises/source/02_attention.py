@@ -194,19 +194,20 @@ model = Reverser()
 optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
 batches = torch.Generator().manual_seed(1)
 start = time.perf_counter()
-for step in range(301):
+for step in range(201):
     tokens, target = reversal_batch(64, batches)
     loss = F.cross_entropy(model(tokens).flatten(0, 1), target.flatten())
     optimizer.zero_grad()
     loss.backward()
     optimizer.step()
-    if step % 100 == 0:
+    if step % 25 == 0:
         print(f"step {step:3d}  loss {loss.item():.3f}")
 print(f"trained in {time.perf_counter() - start:.1f} s")
 
 # %% [markdown]
-# On 1,000 sequences it has never seen, with and without the attention layer's contribution to
-# the residual stream:
+# The loss starts at chance, $\ln 10 \approx 2.3$, and drops to almost zero within a few dozen
+# steps, once the heads find where to look. On 1,000 sequences it has never seen, with and
+# without the attention layer's contribution to the residual stream:
 
 # %% [check]
 tokens, target = reversal_batch(1000, torch.Generator().manual_seed(2))

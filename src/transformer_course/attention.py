@@ -85,8 +85,7 @@ def scaled_dot_product_attention(
     mask forbids every key of that query). Half-precision inputs are computed in float32 and
     both results come back in the input dtype.
 
-    Course: chapter 2, exercise 2.2, checked by
-    checks.attention.check_scaled_dot_product_attention.
+    Course: chapter 2, exercise 2.2, checked by checks.attention.check_scaled_dot_product_attention.
     """
     validate.attention_inputs(q, k, v, mask)
     pattern = masked_softmax(attention_scores(q, k), mask)

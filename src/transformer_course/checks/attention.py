@@ -100,7 +100,11 @@ def check_attention_scores(fn: Callable[..., torch.Tensor]) -> None:
 
 
 def _check_sdpa_case(
-    fn: Callable[..., Any], where: str, qkv: tuple[torch.Tensor, ...], mask: torch.Tensor | None
+    fn: Callable[..., Any],
+    where: str,
+    qkv: tuple[torch.Tensor, ...],
+    mask: torch.Tensor | None,
+    large_scores: bool = False,
 ) -> None:
     """One call of the learner's attention, compared step by step with the reference."""
     q, k, v = qkv
@@ -122,12 +126,11 @@ def _check_sdpa_case(
     )
     if mask is not None:
         expect_mask_not_inverted(where, pattern, mask)
-    large = q.abs().max().item() > 10
     expect(
         bool(torch.isfinite(pattern).all()),
         where,
         "the pattern contains NaN or inf.",
-        OVERFLOW_HINT if large else NAN_HINT,
+        OVERFLOW_HINT if large_scores else NAN_HINT,
     )
     unscaled, _ = attention.scaled_dot_product_attention(q * math.sqrt(q.shape[-1]), k, v, mask)
     expect(
@@ -151,7 +154,7 @@ def _check_sdpa_case(
             f"forbidden keys get weight (up to {leaked:.3g}).",
             "apply the mask to the scores before the softmax (True = may attend).",
         )
-    hint = OVERFLOW_HINT if large else "softmax(q k^T / sqrt(d_head)) over keys."
+    hint = OVERFLOW_HINT if large_scores else "softmax(q k^T / sqrt(d_head)) over keys."
     expect_close(pattern, expected_pattern, f"{where}, pattern", hint, atol=1e-8)
     expect_close(out, expected_out, f"{where}, output", "the output is pattern @ v.", atol=1e-8)
 
@@ -169,10 +172,11 @@ def check_scaled_dot_product_attention(
         ("q_len != k_len, d_v != d_head", _qkv(3, 7, 8, 5, seed=1), None),
         ("a causal mask", _qkv(6, 6, 16, 16, seed=2), causal_mask(6)),
         ("a padding mask", _qkv(4, 5, 8, 8, seed=3), padding),
-        ("scores in the thousands", _qkv(4, 6, 8, 8, seed=6, scale=30.0), causal_mask(4, 6)),
     ]
     for label, qkv, mask in cases:
         _check_sdpa_case(fn, f"{name} ({label})", qkv, mask)
+    large = _qkv(4, 6, 8, 8, seed=6, scale=30.0)
+    _check_sdpa_case(fn, f"{name} (scores in the thousands)", large, causal_mask(4, 6), True)
 
     q, k, v = _qkv(3, 5, 8, 8, seed=5)
     where = f"{name} (called without a mask)"
@@ -225,7 +229,7 @@ def _expect_input_dtype_kept(name: str, fn: Callable[..., Any]) -> None:
     expect_close(result[0], expected_out, where, "the output is pattern @ v.", atol=1e-2, rtol=1e-2)
 
 
-def _run(
+def _run_with_cache(
     module: torch.nn.Module, *args: object, **kwargs: object
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     if isinstance(module, HookedRootModule):
@@ -300,7 +304,7 @@ def _expect_forward(name: str, module: torch.nn.Module, reference: torch.nn.Modu
         else:
             hint = "compare each step with the reference using run_with_cache."
         expected, ref_cache = reference.run_with_cache(*args, **kwargs)
-        actual, cache = call_with_hint(where, hint, _run, module, *args, **kwargs)
+        actual, cache = call_with_hint(where, hint, _run_with_cache, module, *args, **kwargs)
         # The mask the reference applies: `mask` and, with causal=True, the causal mask.
         causal = causal_mask(args[0].shape[1], args[-1].shape[1]) if kwargs.get("causal") else None
         mask = combine_masks(causal, kwargs.get("mask"))

@@ -1,5 +1,6 @@
 """Checkers for the chapter 3 workbook: causal mask, padding mask, combined masks, safe masked
-softmax. `expect_mask_not_inverted` is shared with chapter 2's attention checkers."""
+softmax. Chapter 2's attention checkers share `expect_mask_not_inverted` (a pattern that follows
+the opposite mask convention) and `call_with_hint` (a crash explained by a hint)."""
 
 from __future__ import annotations
 
