@@ -54,17 +54,24 @@ class SDPALayer(nn.Module):
     def __init__(self, mha: MultiHeadAttention, backend: SDPBackend | None = None) -> None:
         super().__init__()
         self.n_heads, self.backend = mha.n_heads, backend
-        W_in = [einops.rearrange(W, "head d_model d_head -> (head d_head) d_model") for W in (mha.W_Q, mha.W_K, mha.W_V)]
+        W_in = [
+            einops.rearrange(W, "head d_model d_head -> (head d_head) d_model")
+            for W in (mha.W_Q, mha.W_K, mha.W_V)
+        ]
         self.in_proj = nn.Linear(mha.d_model, 3 * mha.n_heads * mha.d_head)
         self.out_proj = nn.Linear(mha.n_heads * mha.d_head, mha.d_model)
         with torch.no_grad():
             self.in_proj.weight.copy_(torch.cat(W_in))
             self.in_proj.bias.copy_(torch.cat([b.reshape(-1) for b in (mha.b_Q, mha.b_K, mha.b_V)]))
-            self.out_proj.weight.copy_(einops.rearrange(mha.W_O, "head d_head d_model -> d_model (head d_head)"))
+            self.out_proj.weight.copy_(
+                einops.rearrange(mha.W_O, "head d_head d_model -> d_model (head d_head)")
+            )
             self.out_proj.bias.copy_(mha.b_O)
 
     def forward(self, x: Tensor, mask: Tensor) -> Tensor:
-        q, k, v = einops.rearrange(self.in_proj(x), "b p (three h d) -> three b h p d", three=3, h=self.n_heads)
+        q, k, v = einops.rearrange(
+            self.in_proj(x), "b p (three h d) -> three b h p d", three=3, h=self.n_heads
+        )
         if self.backend is None:
             z = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         else:
@@ -73,14 +80,22 @@ class SDPALayer(nn.Module):
         return self.out_proj(einops.rearrange(z, "b h p d -> b p (h d)"))
 
 
-def implementations(cfg: dict, device: torch.device) -> tuple[dict[str, Callable[[Tensor], Tensor]], Tensor]:
+def implementations(
+    cfg: dict, device: torch.device
+) -> tuple[dict[str, Callable[[Tensor], Tensor]], Tensor]:
     mha = MultiHeadAttention(cfg["d_model"], cfg["n_heads"]).to(device)
     fast = MultiHeadAttention(cfg["d_model"], cfg["n_heads"], fast_path=True).to(device)
     fast.load_state_dict(mha.state_dict())
     sdpa, sdpa_math = SDPALayer(mha).to(device), SDPALayer(mha, SDPBackend.MATH).to(device)
     torch_mha = nn.MultiheadAttention(cfg["d_model"], cfg["n_heads"], batch_first=True).to(device)
-    torch_mha.load_state_dict({"in_proj_weight": sdpa.in_proj.weight, "in_proj_bias": sdpa.in_proj.bias,
-                               "out_proj.weight": sdpa.out_proj.weight, "out_proj.bias": sdpa.out_proj.bias})
+    torch_mha.load_state_dict(
+        {
+            "in_proj_weight": sdpa.in_proj.weight,
+            "in_proj_bias": sdpa.in_proj.bias,
+            "out_proj.weight": sdpa.out_proj.weight,
+            "out_proj.bias": sdpa.out_proj.bias,
+        }
+    )
     mask = causal_mask(cfg["seq"], device=device)
     fns = {
         "einsum": lambda x: mha(x, mask=mask),
@@ -144,8 +159,10 @@ def main() -> None:
     torch.manual_seed(0)
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
-    print(f"torch {torch.__version__}, device {device}, {torch.get_num_threads()} thread(s), float32, causal mask, "
-          f"median of {args.repeats} forward+backward steps")
+    print(
+        f"torch {torch.__version__}, device {device}, {torch.get_num_threads()} thread(s), "
+        f"float32, causal mask, median of {args.repeats} forward+backward steps"
+    )
     for cfg in CONFIGS:
         fns, x = implementations(cfg, device)
         times = time_all(fns, x, args.repeats, device)

@@ -16,6 +16,7 @@ import argparse
 import statistics
 import time
 from collections.abc import Callable
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -52,8 +53,10 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
-    print(f"device={device.type} threads={args.threads} torch={torch.__version__} "
-          f"median of {args.repeats} rounds x {args.iters} forward+backward")
+    print(
+        f"device={device.type} threads={args.threads} torch={torch.__version__} "
+        f"median of {args.repeats} rounds x {args.iters} forward+backward"
+    )
     print(f"{'norm':8s} {'shape':>16s} {'ours ms':>9s} {'torch ms':>9s} {'ours/torch':>11s}")
     for shape in SHAPES:
         d_model = shape[-1]
@@ -61,8 +64,16 @@ def main() -> None:
         upstream = torch.randn(shape, device=device)
         ln, rms = LayerNorm(d_model).to(device), RMSNorm(d_model).to(device)
         pairs = {
-            "layer": (ln, lambda t: F.layer_norm(t, (d_model,), ln.w, ln.b, eps=ln.eps)),
-            "rms": (rms, lambda t: F.rms_norm(t, (d_model,), rms.w, eps=rms.eps)),
+            "layer": (
+                ln,
+                partial(
+                    F.layer_norm, normalized_shape=(d_model,), weight=ln.w, bias=ln.b, eps=ln.eps
+                ),
+            ),
+            "rms": (
+                rms,
+                partial(F.rms_norm, normalized_shape=(d_model,), weight=rms.w, eps=rms.eps),
+            ),
         }
         for name, (ours, reference) in pairs.items():
             for fn in (ours, reference):  # warm up
@@ -72,7 +83,8 @@ def main() -> None:
                 times["ours"].append(seconds(ours, x, upstream, args.iters))
                 times["torch"].append(seconds(reference, x, upstream, args.iters))
             ours_ms, torch_ms = (1e3 * statistics.median(times[k]) for k in ("ours", "torch"))
-            print(f"{name:8s} {str(shape):>16s} {ours_ms:9.3f} {torch_ms:9.3f} {ours_ms / torch_ms:11.2f}")
+            ratio = ours_ms / torch_ms
+            print(f"{name:8s} {str(shape):>16s} {ours_ms:9.3f} {torch_ms:9.3f} {ratio:11.2f}")
 
 
 if __name__ == "__main__":

@@ -21,7 +21,11 @@ from transformer_lens import HookedTransformerConfig
 from transformer_lens.components import Attention
 from transformer_lens.HookedRootModule import HookedRootModule
 
-from transformer_course.attention import MultiHeadAttention, attention_scores, scaled_dot_product_attention
+from transformer_course.attention import (
+    MultiHeadAttention,
+    attention_scores,
+    scaled_dot_product_attention,
+)
 from transformer_course.masking import causal_mask, combine_masks, padding_mask
 
 # (q batch shape, kv batch shape, q_len, k_len, d_head, d_v, mask shape or None)
@@ -78,7 +82,9 @@ def test_sdpa_one_query_by_hand():
     # scores: (1/sqrt(2), 0); weights: softmax of those.
     w0 = math.exp(1 / math.sqrt(2)) / (math.exp(1 / math.sqrt(2)) + 1)
     out, pattern = scaled_dot_product_attention(q, k, v)
-    torch.testing.assert_close(pattern, torch.tensor([[w0, 1 - w0]], dtype=torch.float64), atol=1e-15, rtol=0)
+    torch.testing.assert_close(
+        pattern, torch.tensor([[w0, 1 - w0]], dtype=torch.float64), atol=1e-15, rtol=0
+    )
     expected = torch.tensor([[w0 * 1 + (1 - w0) * 3, w0 * 2 + (1 - w0) * 4]], dtype=torch.float64)
     torch.testing.assert_close(out, expected, atol=1e-15, rtol=0)
 
@@ -109,13 +115,35 @@ def test_sdpa_fully_masked_row_is_zero_with_finite_grads():
 
 @pytest.mark.parametrize(
     ("shapes", "mask", "message"),
-    [(((2, 5, 8), (2, 6, 4), (2, 6, 8)), None, r"k: expected last dim d_head=8 .* got 4 \(shape \(2, 6, 4\)\)"),
-     (((2, 5, 8), (2, 6, 8), (2, 7, 8)), None, r"v: expected k_pos=6 .* got 7"),
-     (((2, 5, 8), (3, 6, 8), (3, 6, 8)), None, "batch dims must broadcast"),
-     (((5, 8), (6, 8), (6, 8)), torch.ones(6, 5, dtype=torch.bool), r"mask: expected a shape broadcastable to .*\(5, 6\).* got \(6, 5\)"),
-     (((5, 8), (6, 8), (6, 8)), torch.ones(3, 5, 6, dtype=torch.bool), r"mask: .* got \(3, 5, 6\)"),
-     (((5, 8), (6, 8), (6, 8)), torch.ones(5, 6), "mask: expected a bool tensor .* got torch.float32"),
-     (((5,), (6, 5), (6, 5)), None, r"q: expected a floating-point tensor of shape \(\.\.\., pos, d\)")],
+    [
+        (
+            ((2, 5, 8), (2, 6, 4), (2, 6, 8)),
+            None,
+            r"k: expected last dim d_head=8 .* got 4 \(shape \(2, 6, 4\)\)",
+        ),
+        (((2, 5, 8), (2, 6, 8), (2, 7, 8)), None, r"v: expected k_pos=6 .* got 7"),
+        (((2, 5, 8), (3, 6, 8), (3, 6, 8)), None, "batch dims must broadcast"),
+        (
+            ((5, 8), (6, 8), (6, 8)),
+            torch.ones(6, 5, dtype=torch.bool),
+            r"mask: expected a shape broadcastable to .*\(5, 6\).* got \(6, 5\)",
+        ),
+        (
+            ((5, 8), (6, 8), (6, 8)),
+            torch.ones(3, 5, 6, dtype=torch.bool),
+            r"mask: .* got \(3, 5, 6\)",
+        ),
+        (
+            ((5, 8), (6, 8), (6, 8)),
+            torch.ones(5, 6),
+            "mask: expected a bool tensor .* got torch.float32",
+        ),
+        (
+            ((5,), (6, 5), (6, 5)),
+            None,
+            r"q: expected a floating-point tensor of shape \(\.\.\., pos, d\)",
+        ),
+    ],
 )
 def test_sdpa_errors(shapes, mask, message):
     q, k, v = (torch.randn(*s) for s in shapes)
@@ -125,10 +153,13 @@ def test_sdpa_errors(shapes, mask, message):
 
 def test_sdpa_dtype_mismatch():
     with pytest.raises(ValueError, match="v: expected dtype torch.float32"):
-        scaled_dot_product_attention(torch.randn(2, 4), torch.randn(2, 4), torch.randn(2, 4, dtype=torch.float64))
+        scaled_dot_product_attention(
+            torch.randn(2, 4), torch.randn(2, 4), torch.randn(2, 4, dtype=torch.float64)
+        )
 
 
 # ---- MultiHeadAttention -----------------------------------------------------------------------
+
 
 def _randomise(module, std=0.3, seed=0):
     g = torch.Generator().manual_seed(seed)
@@ -140,8 +171,16 @@ def _randomise(module, std=0.3, seed=0):
 
 def _tl_attention(d_model, n_heads, d_head, seed=0):
     cfg = HookedTransformerConfig(
-        d_model=d_model, n_heads=n_heads, d_head=d_head, n_layers=1, n_ctx=32, d_vocab=11,
-        act_fn="gelu", attn_only=True, dtype=torch.float64, device="cpu",
+        d_model=d_model,
+        n_heads=n_heads,
+        d_head=d_head,
+        n_layers=1,
+        n_ctx=32,
+        d_vocab=11,
+        act_fn="gelu",
+        attn_only=True,
+        dtype=torch.float64,
+        device="cpu",
     )
     return _randomise(Attention(cfg), seed=seed)
 
@@ -157,7 +196,9 @@ def _record(module, names):
     """Capture the outputs of `module`'s hook points with plain PyTorch forward hooks."""
     store = {}
     for name in names:
-        getattr(module, name).register_forward_hook(lambda _m, _i, out, name=name: store.__setitem__(name, out))
+        getattr(module, name).register_forward_hook(
+            lambda _m, _i, out, name=name: store.__setitem__(name, out)
+        )
     return store
 
 
@@ -197,10 +238,15 @@ def _torch_mha(mine):
     d_model, n_heads = mine.d_model, mine.n_heads
     ref = torch.nn.MultiheadAttention(d_model, n_heads, batch_first=True, dtype=torch.float64)
     with torch.no_grad():
-        in_proj = [einops.rearrange(W, "head d_model d_head -> (head d_head) d_model") for W in (mine.W_Q, mine.W_K, mine.W_V)]
+        in_proj = [
+            einops.rearrange(W, "head d_model d_head -> (head d_head) d_model")
+            for W in (mine.W_Q, mine.W_K, mine.W_V)
+        ]
         ref.in_proj_weight.copy_(torch.cat(in_proj))
         ref.in_proj_bias.copy_(torch.cat([b.reshape(-1) for b in (mine.b_Q, mine.b_K, mine.b_V)]))
-        ref.out_proj.weight.copy_(einops.rearrange(mine.W_O, "head d_head d_model -> d_model (head d_head)"))
+        ref.out_proj.weight.copy_(
+            einops.rearrange(mine.W_O, "head d_head d_model -> d_model (head d_head)")
+        )
         ref.out_proj.bias.copy_(mine.b_O)
     return ref.eval()
 
@@ -211,8 +257,12 @@ def test_mha_matches_torch_multihead_attention_with_key_padding(fast):
     ref = _torch_mha(mine)
     x = torch.randn(3, 5, 24, dtype=torch.float64)
     context = torch.randn(3, 8, 24, dtype=torch.float64)
-    tokens = torch.tensor([[1, 2, 3, 4, 5, 6, 7, 8], [1, 2, 3, 0, 0, 0, 0, 0], [1, 0, 0, 0, 0, 0, 0, 0]])
-    expected, weights = ref(x, context, context, key_padding_mask=tokens == 0, average_attn_weights=False)
+    tokens = torch.tensor(
+        [[1, 2, 3, 4, 5, 6, 7, 8], [1, 2, 3, 0, 0, 0, 0, 0], [1, 0, 0, 0, 0, 0, 0, 0]]
+    )
+    expected, weights = ref(
+        x, context, context, key_padding_mask=tokens == 0, average_attn_weights=False
+    )
     actual, cache = mine.run_with_cache(x, context, mask=padding_mask(tokens, 0))
     torch.testing.assert_close(actual, expected, atol=1e-12, rtol=0)
     if not fast:
@@ -258,7 +308,9 @@ def test_mha_low_precision_is_close(dtype, rel, fast):
     """bf16 keeps 8 bits of mantissa, fp16 11: errors of a few ulps of the largest output."""
     mine = _randomise(MultiHeadAttention(32, 4).double(), seed=4)
     x = torch.randn(2, 10, 32, dtype=torch.float64)
-    mask = combine_masks(causal_mask(10), padding_mask(torch.tensor([[0] * 3 + [1] * 7, [1] * 10]), 0))
+    mask = combine_masks(
+        causal_mask(10), padding_mask(torch.tensor([[0] * 3 + [1] * 7, [1] * 10]), 0)
+    )
     expected = mine(x, mask=mask)
     low = copy.deepcopy(mine).to(dtype)
     low.fast_path = fast
@@ -273,8 +325,14 @@ def test_mha_parameters_and_init():
     mha = MultiHeadAttention(256, 8)
     shapes = {name: tuple(p.shape) for name, p in mha.named_parameters()}
     assert shapes == {
-        "W_Q": (8, 256, 32), "W_K": (8, 256, 32), "W_V": (8, 256, 32), "W_O": (8, 32, 256),
-        "b_Q": (8, 32), "b_K": (8, 32), "b_V": (8, 32), "b_O": (256,),
+        "W_Q": (8, 256, 32),
+        "W_K": (8, 256, 32),
+        "W_V": (8, 256, 32),
+        "W_O": (8, 32, 256),
+        "b_Q": (8, 32),
+        "b_K": (8, 32),
+        "b_V": (8, 32),
+        "b_O": (256,),
     }
     for name in ("W_Q", "W_K", "W_V", "W_O"):
         weight = getattr(mha, name)
@@ -305,14 +363,34 @@ def test_mha_hooks_are_named_inside_a_larger_model():
 
 @pytest.mark.parametrize(
     ("build", "message"),
-    [(lambda: MultiHeadAttention(10, 3), "d_model: expected a multiple of n_heads=3 when d_head is not given, got 10"),
-     (lambda: MultiHeadAttention(0, 2), "d_model: expected a positive int, got 0"),
-     (lambda: MultiHeadAttention(8, 2, d_head=0), "d_head: expected a positive int or None, got 0"),
-     (lambda: MultiHeadAttention(8, 2)(torch.randn(2, 3, 6)), r"x: expected shape \(batch, pos, d_model=8\), got shape \(2, 3, 6\)"),
-     (lambda: MultiHeadAttention(8, 2)(torch.randn(2, 3, 8), torch.randn(2, 4, 5)), r"context: expected .*d_model=8.* got shape \(2, 4, 5\)"),
-     (lambda: MultiHeadAttention(8, 2)(torch.randn(2, 3, 8), torch.randn(3, 4, 8)), "context: expected batch size 2"),
-     (lambda: MultiHeadAttention(8, 2)(torch.randn(2, 3, 8), mask=causal_mask(4)), r"mask: expected a shape broadcastable to .*\(2, 2, 3, 3\)"),
-     (lambda: MultiHeadAttention(8, 2)(torch.randn(2, 3, 8), mask=torch.ones(3, 3)), "mask: expected a bool tensor")],
+    [
+        (
+            lambda: MultiHeadAttention(10, 3),
+            "d_model: expected a multiple of n_heads=3 when d_head is not given, got 10",
+        ),
+        (lambda: MultiHeadAttention(0, 2), "d_model: expected a positive int, got 0"),
+        (lambda: MultiHeadAttention(8, 2, d_head=0), "d_head: expected a positive int, got 0"),
+        (
+            lambda: MultiHeadAttention(8, 2)(torch.randn(2, 3, 6)),
+            r"x: expected shape \(batch, pos, d_model=8\), got shape \(2, 3, 6\)",
+        ),
+        (
+            lambda: MultiHeadAttention(8, 2)(torch.randn(2, 3, 8), torch.randn(2, 4, 5)),
+            r"context: expected .*d_model=8.* got shape \(2, 4, 5\)",
+        ),
+        (
+            lambda: MultiHeadAttention(8, 2)(torch.randn(2, 3, 8), torch.randn(3, 4, 8)),
+            "context: expected batch size 2",
+        ),
+        (
+            lambda: MultiHeadAttention(8, 2)(torch.randn(2, 3, 8), mask=causal_mask(4)),
+            r"mask: expected a shape broadcastable to .*\(2, 2, 3, 3\)",
+        ),
+        (
+            lambda: MultiHeadAttention(8, 2)(torch.randn(2, 3, 8), mask=torch.ones(3, 3)),
+            "mask: expected a bool tensor",
+        ),
+    ],
 )
 def test_mha_errors(build, message):
     with pytest.raises(ValueError, match=message):
@@ -351,7 +429,9 @@ def test_sdpa_half_precision_scores_beyond_float16_range(dtype):
 @given(
     dtype=st.sampled_from([torch.float32, torch.float16, torch.bfloat16]),
     log_scale=st.floats(-2, 3.3),
-    q_len=st.integers(1, 5), k_len=st.integers(1, 6), masked=st.sampled_from([0.0, 0.5, 1.0]),
+    q_len=st.integers(1, 5),
+    k_len=st.integers(1, 6),
+    masked=st.sampled_from([0.0, 0.5, 1.0]),
     seed=st.integers(0, 2**16),
 )
 # float16 scores overflow here, which gave NaN before they were computed in float32:

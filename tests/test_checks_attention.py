@@ -1,19 +1,26 @@
-"""The chapter 2 checkers accept the reference, reject blanks with their hint, and name each classic bug."""
+"""The chapter 2 checkers accept the reference and valid alternatives, reject blanks with their
+hint, and name each classic bug."""
 
 import math
 
 import einops
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
-from transformer_course.attention import MultiHeadAttention, attention_scores, scaled_dot_product_attention
+from transformer_course.attention import (
+    MultiHeadAttention,
+    attention_scores,
+    scaled_dot_product_attention,
+)
 from transformer_course.checks import CheckFailure
 from transformer_course.checks.attention import (
     check_attention_scores,
     check_multi_head_attention,
     check_scaled_dot_product_attention,
 )
+from transformer_course.masking import causal_mask
 
 
 def test_reference_passes(capsys):
@@ -30,15 +37,17 @@ def _blank(*args, **kwargs):
 
 
 class BlankMHA(MultiHeadAttention):
-    def forward(self, x, context=None, mask=None):
+    def forward(self, x, context=None, mask=None, *, causal=False):
         raise NotImplementedError("project x with W_Q first")
 
 
 @pytest.mark.parametrize(
     ("checker", "blank", "hint"),
-    [(check_attention_scores, _blank, "use einops.einsum"),
-     (check_scaled_dot_product_attention, _blank, "use einops.einsum"),
-     (check_multi_head_attention, BlankMHA, "project x with W_Q first")],
+    [
+        (check_attention_scores, _blank, "use einops.einsum"),
+        (check_scaled_dot_product_attention, _blank, "use einops.einsum"),
+        (check_multi_head_attention, BlankMHA, "project x with W_Q first"),
+    ],
 )
 def test_blank_fails_with_its_hint(checker, blank, hint):
     with pytest.raises(CheckFailure, match="not implemented yet") as info:
@@ -48,6 +57,7 @@ def test_blank_fails_with_its_hint(checker, blank, hint):
 
 # ---- buggy learner code, one catalogue entry each ---------------------------------------------
 
+
 def scores_unscaled(q, k):
     return q @ k.transpose(-1, -2)
 
@@ -56,39 +66,93 @@ def scores_over_d_head(q, k):
     return q @ k.transpose(-1, -2) / q.shape[-1]
 
 
-@pytest.mark.parametrize(("fn", "word"), [(scores_unscaled, "sqrt(d_head)"), (scores_over_d_head, "square root")])
+@pytest.mark.parametrize(
+    ("fn", "word"), [(scores_unscaled, "sqrt(d_head)"), (scores_over_d_head, "square root")]
+)
 def test_attention_scores_bugs(fn, word):
     with pytest.raises(CheckFailure) as info:
         check_attention_scores(fn)
     assert word in str(info.value)
 
 
-def sdpa_variant(bug):
+def _softmax(scores, how):
+    """Three correct softmaxes over the last dim, and the naive one that overflows."""
+    if how == "F.softmax":
+        return F.softmax(scores, dim=-1)
+    if how == "manual":
+        e = (scores - scores.amax(-1, keepdim=True)).exp()
+        return e / e.sum(-1, keepdim=True)
+    if how == "naive_exp":
+        return scores.exp() / scores.exp().sum(-1, keepdim=True)
+    return scores.softmax(dim=-1)
+
+
+def sdpa_variant(bug="", *, product="matmul", softmax="method"):
     def sdpa(q, k, v, mask=None):
-        scores = q @ k.transpose(-1, -2)
+        if product == "einsum":
+            scores = einops.einsum(q, k, "... q d, ... k d -> ... q k")
+        else:
+            scores = q @ k.transpose(-1, -2)
         if bug != "no_scale":
             scores = scores / math.sqrt(q.shape[-1])
-        if mask is not None:
-            scores = scores.masked_fill(~mask, float("-inf") if bug == "minus_inf" else torch.finfo(scores.dtype).min)
-        pattern = scores.softmax(dim=-2 if bug == "query_softmax" else -1)
-        if mask is not None and bug != "minus_inf":
-            pattern = pattern.masked_fill(~mask, 0.0)
+        if mask is not None or bug == "mask_none_crash":
+            forbidden = mask if bug.startswith("inverted") else ~mask
+            fill = (
+                float("-inf")
+                if bug in ("minus_inf", "inverted_minus_inf")
+                else torch.finfo(scores.dtype).min
+            )
+            scores = scores.masked_fill(forbidden, fill)
+        pattern = _softmax(scores, softmax) if bug != "query_softmax" else scores.softmax(-2)
+        if mask is not None and bug not in ("minus_inf", "inverted_minus_inf"):
+            pattern = pattern.masked_fill(forbidden, 0.0)
         return pattern @ v, pattern
+
     return sdpa
 
 
-def test_sdpa_variant_without_bug_passes():
-    check_scaled_dot_product_attention(sdpa_variant(""))
+@pytest.mark.parametrize(
+    ("product", "softmax"),
+    [("matmul", "method"), ("einsum", "F.softmax"), ("einsum", "manual")],
+)
+def test_sdpa_valid_alternatives_pass(product, softmax):
+    check_scaled_dot_product_attention(sdpa_variant(product=product, softmax=softmax))
+
+
+def test_sdpa_that_upcasts_half_precision_passes():
+    def upcasting(q, k, v, mask=None):
+        dtype = q.dtype
+        if dtype in (torch.float16, torch.bfloat16):
+            q, k, v = q.float(), k.float(), v.float()
+        out, pattern = sdpa_variant(softmax="F.softmax")(q, k, v, mask)
+        return out.to(dtype), pattern.to(dtype)
+
+    check_scaled_dot_product_attention(upcasting)
 
 
 @pytest.mark.parametrize(
     ("bug", "word"),
-    [("no_scale", "sqrt(d_head)"), ("query_softmax", "dim=-1"), ("minus_inf", "finfo")],
+    [
+        ("no_scale", "sqrt(d_head)"),
+        ("query_softmax", "dim=-1"),
+        ("minus_inf", "finfo"),
+        ("inverted", "True means *may attend*"),
+        ("inverted_minus_inf", "True means *may attend*"),
+        ("mask_none_crash", "defaults to None"),
+    ],
 )
 def test_sdpa_bugs(bug, word):
     with pytest.raises(CheckFailure) as info:
         check_scaled_dot_product_attention(sdpa_variant(bug))
     assert word in str(info.value)
+    if bug.startswith("inverted"):
+        assert "dim=-1" not in str(info.value)
+
+
+def test_sdpa_naive_exp_overflows_with_a_hint():
+    with pytest.raises(CheckFailure, match="scores in the thousands") as info:
+        check_scaled_dot_product_attention(sdpa_variant(softmax="naive_exp"))
+    assert "subtract each row's maximum" in str(info.value)
 
 
 def _plus(x, bias):
@@ -106,44 +170,86 @@ class BuggyMHA(MultiHeadAttention):
             for bias in (self.b_Q, self.b_K, self.b_V, self.b_O):
                 nn.init.ones_(bias)
 
-    def forward(self, x, context=None, mask=None):
+    def forward(self, x, context=None, mask=None, *, causal=False):
         context = x if context is None else context
-        q = self.hook_q(_plus(einops.einsum(x, self.W_Q, "b p m, h m d -> b p h d"), self.b_Q))
-        k = self.hook_k(_plus(einops.einsum(context, self.W_K, "b p m, h m d -> b p h d"), self.b_K))
-        v = self.hook_v(_plus(einops.einsum(context, self.W_V, "b p m, h m d -> b p h d"), self.b_V))
+        if causal and self.bug != "ignore_causal":
+            allowed = causal_mask(x.shape[1], context.shape[1])
+            mask = allowed if mask is None else allowed & mask
+        q = einops.einsum(x, self.W_Q, "b p m, h m d -> b p h d")
+        q = self.hook_q(q if self.bug == "hook_q_before_bias" else _plus(q, self.b_Q))
+        if self.bug == "hook_q_before_bias":
+            q = _plus(q, self.b_Q)
+        k = self.hook_k(
+            _plus(einops.einsum(context, self.W_K, "b p m, h m d -> b p h d"), self.b_K)
+        )
+        v = self.hook_v(
+            _plus(einops.einsum(context, self.W_V, "b p m, h m d -> b p h d"), self.b_V)
+        )
         scores = einops.einsum(q, k, "b q h d, b k h d -> b h q k")
         if self.bug != "no_scale":
             scores = scores / math.sqrt(self.d_head)
-        if mask is not None:
-            fill = float("-inf") if self.bug == "minus_inf" else torch.finfo(scores.dtype).min
-            scores = scores.masked_fill(~mask, fill)
+        if mask is not None or self.bug == "mask_none_crash":
+            forbidden = mask if self.bug == "inverted" else ~mask
+            fill = (
+                float("-inf")
+                if self.bug in ("minus_inf", "tl_style")
+                else torch.finfo(scores.dtype).min
+            )
+            scores = scores.masked_fill(forbidden, fill)
         scores = self.hook_attn_scores(scores)
         pattern = scores.softmax(dim=-2 if self.bug == "query_softmax" else -1)
-        if mask is not None and self.bug != "minus_inf":
-            pattern = pattern.masked_fill(~mask, 0.0)
-        pattern = self.hook_pattern(pattern)
+        if self.bug == "tl_style":  # TransformerLens: -inf fill, NaN rows become zeros
+            pattern = pattern.nan_to_num(0.0)
+        elif mask is not None and self.bug != "minus_inf":
+            pattern = pattern.masked_fill(forbidden, 0.0)
+        pattern = self.hook_pattern(scores if self.bug == "pattern_hook_gets_scores" else pattern)
         z = self.hook_z(einops.einsum(pattern, v, "b h q k, b k h d -> b q h d"))
         order = "b q h d -> b q (d h)" if self.bug == "concat_order" else "b q h d -> b q (h d)"
-        return einops.rearrange(z, order) @ einops.rearrange(self.W_O, "h d m -> (h d) m") + (0 if self.b_O is None else self.b_O)
+        out = einops.rearrange(z, order) @ einops.rearrange(self.W_O, "h d m -> (h d) m")
+        return _plus(out, self.b_O)
 
 
 def buggy(bug):
     return type(f"MHA_{bug or 'ok'}", (BuggyMHA,), {"bug": bug})
 
 
-def test_mha_variant_without_bug_passes():
-    check_multi_head_attention(buggy(""))
+@pytest.mark.parametrize("variant", ["", "tl_style"])
+def test_mha_valid_alternatives_pass(variant):
+    """Concatenated heads times a flattened W_O, and TransformerLens's -inf fill with NaN rows
+    zeroed, are as good as the reference's einsums."""
+    check_multi_head_attention(buggy(variant))
 
 
 @pytest.mark.parametrize(
     ("bug", "word"),
-    [("bias_ones", "zero"), ("concat_order", "wrong order"), ("no_scale", "sqrt(d_head)"),
-     ("query_softmax", "dim=-1"), ("minus_inf", "finfo")],
+    [
+        ("bias_ones", "zero"),
+        ("concat_order", "wrong order"),
+        ("no_scale", "sqrt(d_head)"),
+        ("query_softmax", "dim=-1"),
+        ("minus_inf", "finfo"),
+        ("inverted", "True means *may attend*"),
+        ("ignore_causal", "causal=True"),
+        ("mask_none_crash", "defaults to None"),
+        ("pattern_hook_gets_scores", "belongs at `hook_attn_scores`"),
+        ("hook_q_before_bias", "b_Q"),
+    ],
 )
 def test_mha_bugs(bug, word):
     with pytest.raises(CheckFailure) as info:
         check_multi_head_attention(buggy(bug))
     assert word in str(info.value)
+    if bug == "inverted":
+        assert "dim=-1" not in str(info.value)
+
+
+def test_mha_that_ignores_bias_false_is_named():
+    class AlwaysBias(MultiHeadAttention):
+        def __init__(self, d_model, n_heads, d_head=None, bias=True):
+            super().__init__(d_model, n_heads, d_head)
+
+    with pytest.raises(CheckFailure, match=r"bias=False(.|\n)*register the biases as None"):
+        check_multi_head_attention(AlwaysBias)
 
 
 def test_mha_wrong_parameter_shapes():
@@ -154,3 +260,13 @@ def test_mha_wrong_parameter_shapes():
 
     with pytest.raises(CheckFailure, match="TransformerLens names and shapes"):
         check_multi_head_attention(Transposed)
+
+
+def test_sdpa_that_returns_float32_for_half_inputs_is_named():
+    def float32_results(q, k, v, mask=None):
+        if q.dtype == torch.float16:
+            q, k, v = q.float(), k.float(), v.float()
+        return sdpa_variant()(q, k, v, mask)
+
+    with pytest.raises(CheckFailure, match=r"float16 inputs(.|\n)*expected float16 results"):
+        check_scaled_dot_product_attention(float32_results)

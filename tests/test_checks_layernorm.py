@@ -29,25 +29,76 @@ def test_reference_rmsnorm_passes(capsys):
     assert "✓ RMSNorm passes every check" in capsys.readouterr().out
 
 
+def _float32_inside(x):
+    return x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
+
+
 def test_valid_alternatives_pass():
     """Other correct implementations pass: `torch.var_mean` with `rsqrt`, one that upcasts half
-    precision to float32 and casts back, and an RMSNorm written with `reciprocal`."""
+    precision with `.float()` and casts back, and an RMSNorm written with `reciprocal`."""
 
     def var_mean(self, x):
-        var, mean = torch.var_mean(x, dim=-1, keepdim=True, correction=0)
+        y = _float32_inside(x)
+        var, mean = torch.var_mean(y, dim=-1, keepdim=True, correction=0)
         self.hook_scale(torch.sqrt(var + self.eps))
-        return self.hook_normalized((x - mean) * torch.rsqrt(var + self.eps)) * self.w + self.b
+        normalized = self.hook_normalized((y - mean) * torch.rsqrt(var + self.eps))
+        return (normalized * self.w + self.b).to(x.dtype)
 
     def upcast_half(self, x):
-        y = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
+        y = _float32_inside(x)
         centred = y - y.mean(-1, keepdim=True)
         std = self.hook_scale(centred.pow(2).mean(-1, keepdim=True).add(self.eps).sqrt())
         return (self.hook_normalized(centred / std) * self.w + self.b).to(x.dtype)
 
+    def rms_reciprocal(self, x):
+        y = _float32_inside(x)
+        scale = self.hook_scale(y.pow(2).mean(-1, keepdim=True).add(self.eps).sqrt())
+        return (self.hook_normalized(y * scale.reciprocal()) * self.w).to(x.dtype)
+
     check_layernorm(layernorm_with(var_mean))
     check_layernorm(layernorm_with(upcast_half))
-    check_rmsnorm(rmsnorm_with(lambda self, x: self.hook_normalized(
-        x * self.hook_scale(x.pow(2).mean(-1, keepdim=True).add(self.eps).sqrt()).reciprocal()) * self.w))
+    check_rmsnorm(rmsnorm_with(rms_reciprocal))
+
+
+def _layer_norm_in(*, upcast: bool, cast_back: bool = True):
+    def forward(self, x):
+        y = _float32_inside(x) if upcast else x
+        centred = y - y.mean(-1, keepdim=True)
+        std = self.hook_scale((centred.pow(2).mean(-1, keepdim=True) + self.eps).sqrt())
+        out = self.hook_normalized(centred / std) * self.w + self.b
+        return out.to(x.dtype) if cast_back else out
+
+    return layernorm_with(forward)
+
+
+def test_half_precision_without_float32_inside_is_named():
+    """float16 squares overflow above 256: a norm computed in the input's dtype fails, and the
+    message says the check used a float16 input."""
+    with pytest.raises(CheckFailure, match="float16 input") as info:
+        check_layernorm(_layer_norm_in(upcast=False))
+    assert "squaring overflows" in str(info.value)
+
+    def rms_in_input_dtype(self, x):
+        scale = self.hook_scale((x.pow(2).mean(-1, keepdim=True) + self.eps).sqrt())
+        return self.hook_normalized(x / scale) * self.w.to(x.dtype)
+
+    with pytest.raises(CheckFailure, match="squaring overflows"):
+        check_rmsnorm(rmsnorm_with(rms_in_input_dtype))
+
+
+def test_half_precision_result_must_come_back_in_the_input_dtype():
+    with pytest.raises(CheckFailure, match=r"expected a float16 output .* got torch.float32"):
+        check_layernorm(_layer_norm_in(upcast=True, cast_back=False))
+
+
+def test_eps_fixed_instead_of_self_eps_is_named():
+    def fixed_eps(self, x):
+        centred = x - x.mean(-1, keepdim=True)
+        std = self.hook_scale((centred.pow(2).mean(-1, keepdim=True) + 1e-5).sqrt())
+        return self.hook_normalized(centred / std) * self.w + self.b
+
+    with pytest.raises(CheckFailure, match="self.eps"):
+        check_layernorm(layernorm_with(fixed_eps))
 
 
 def test_a_failure_names_the_dtype_the_check_used():
@@ -79,6 +130,37 @@ def test_missing_or_misfed_hooks_are_named():
     with pytest.raises(CheckFailure, match=r"hook_normalized(.|\n)*before w and b"):
         check_layernorm(layernorm_with(normalized_after_affine))
 
+    def variance_to_hook_scale(self, x):
+        centred = x - x.mean(-1, keepdim=True)
+        variance = self.hook_scale(centred.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.hook_normalized(centred / variance.sqrt()) * self.w + self.b
+
+    with pytest.raises(CheckFailure, match=r"hook_scale(.|\n)*standard deviation"):
+        check_layernorm(layernorm_with(variance_to_hook_scale))
+
+    def scale_without_keepdim(self, x):
+        centred = x - x.mean(-1, keepdim=True)
+        std = self.hook_scale((centred.pow(2).mean(-1) + self.eps).sqrt())
+        return self.hook_normalized(centred / std[..., None]) * self.w + self.b
+
+    with pytest.raises(CheckFailure, match=r"hook_scale`: expected shape \(2, 3, 1\)"):
+        check_layernorm(layernorm_with(scale_without_keepdim))
+
+
+def test_rmsnorm_hooks_fed_the_wrong_tensor_are_named():
+    def normalized_after_w(self, x):
+        scale = self.hook_scale((x.pow(2).mean(-1, keepdim=True) + self.eps).sqrt())
+        return self.hook_normalized(x / scale * self.w)
+
+    with pytest.raises(CheckFailure, match=r"hook_normalized(.|\n)*before w"):
+        check_rmsnorm(rmsnorm_with(normalized_after_w))
+
+    def no_hooks(self, x):
+        return x / (x.pow(2).mean(-1, keepdim=True) + self.eps).sqrt() * self.w
+
+    with pytest.raises(CheckFailure, match="hook_scale.*never received"):
+        check_rmsnorm(rmsnorm_with(no_hooks))
+
 
 def test_one_pass_variance_fails_at_a_large_offset():
     def one_pass(self, x):
@@ -104,51 +186,72 @@ def test_blank_fails_with_its_hint():
 LAYERNORM_BUGS = {
     # bug name: (forward, a word the hint must contain)
     "variance with Bessel's correction": (
-        lambda self, x: (x - x.mean(-1, keepdim=True)) / (x.var(-1, keepdim=True) + self.eps).sqrt() * self.w + self.b,
+        lambda self, x: (
+            (x - x.mean(-1, keepdim=True)) / (x.var(-1, keepdim=True) + self.eps).sqrt() * self.w
+            + self.b
+        ),
         "Bessel",
     ),
     "eps outside the square root": (
-        lambda self, x: (x - x.mean(-1, keepdim=True))
-        / (x.var(-1, keepdim=True, unbiased=False).sqrt() + self.eps)
-        * self.w
-        + self.b,
+        lambda self, x: (
+            (x - x.mean(-1, keepdim=True))
+            / (x.var(-1, keepdim=True, unbiased=False).sqrt() + self.eps)
+            * self.w
+            + self.b
+        ),
         "inside the square root",
     ),
     "eps added to the std (x.std() + eps, as in the Annotated Transformer)": (
-        lambda self, x: (x - x.mean(-1, keepdim=True)) / (x.std(-1, keepdim=True) + self.eps) * self.w + self.b,
+        lambda self, x: (
+            (x - x.mean(-1, keepdim=True)) / (x.std(-1, keepdim=True) + self.eps) * self.w + self.b
+        ),
         "added to the std",
     ),
     "eps outside the square root as sqrt(var) + sqrt(eps)": (
-        lambda self, x: (x - x.mean(-1, keepdim=True))
-        / (x.var(-1, keepdim=True, unbiased=False).sqrt() + self.eps**0.5)
-        * self.w
-        + self.b,
+        lambda self, x: (
+            (x - x.mean(-1, keepdim=True))
+            / (x.var(-1, keepdim=True, unbiased=False).sqrt() + self.eps**0.5)
+            * self.w
+            + self.b
+        ),
         "outside the square root",
     ),
     "normalising over the wrong dim (positions)": (
-        lambda self, x: (x - x.mean(-2, keepdim=True))
-        / (x.var(-2, keepdim=True, unbiased=False) + self.eps).sqrt()
-        * self.w
-        + self.b,
+        lambda self, x: (
+            (x - x.mean(-2, keepdim=True))
+            / (x.var(-2, keepdim=True, unbiased=False) + self.eps).sqrt()
+            * self.w
+            + self.b
+        ),
         "dim -2",
     ),
     "normalising over the wrong dim (batch)": (
-        lambda self, x: (x - x.mean(0, keepdim=True))
-        / (x.var(0, keepdim=True, unbiased=False) + self.eps).sqrt()
-        * self.w
-        + self.b,
+        lambda self, x: (
+            (x - x.mean(0, keepdim=True))
+            / (x.var(0, keepdim=True, unbiased=False) + self.eps).sqrt()
+            * self.w
+            + self.b
+        ),
         "dim 0",
     ),
     "normalising over every dim": (
-        lambda self, x: (x - x.mean()) / (x.var(unbiased=False) + self.eps).sqrt() * self.w + self.b,
+        lambda self, x: (
+            (x - x.mean()) / (x.var(unbiased=False) + self.eps).sqrt() * self.w + self.b
+        ),
         "every dim",
     ),
     "no learned scale and shift": (
-        lambda self, x: (x - x.mean(-1, keepdim=True)) / (x.var(-1, keepdim=True, unbiased=False) + self.eps).sqrt(),
+        lambda self, x: (
+            (x - x.mean(-1, keepdim=True))
+            / (x.var(-1, keepdim=True, unbiased=False) + self.eps).sqrt()
+        ),
         "shift b",
     ),
     "no eps at all": (
-        lambda self, x: (x - x.mean(-1, keepdim=True)) / x.var(-1, keepdim=True, unbiased=False).sqrt() * self.w + self.b,
+        lambda self, x: (
+            (x - x.mean(-1, keepdim=True)) / x.var(-1, keepdim=True, unbiased=False).sqrt() * self.w
+            + self.b
+        ),
         "eps inside the square root",
     ),
 }
@@ -165,7 +268,11 @@ def test_layernorm_bug_is_caught_with_targeted_hint(bug):
 
 RMSNORM_BUGS = {
     "subtracting the mean": (
-        lambda self, x: (x - x.mean(-1, keepdim=True)) / (x.var(-1, keepdim=True, unbiased=False) + self.eps).sqrt() * self.w,
+        lambda self, x: (
+            (x - x.mean(-1, keepdim=True))
+            / (x.var(-1, keepdim=True, unbiased=False) + self.eps).sqrt()
+            * self.w
+        ),
         "does not subtract the mean",
     ),
     "eps outside the square root": (

@@ -1,19 +1,33 @@
-"""The chapter 3 checkers accept the reference, reject blanks with their hint, and name each classic bug."""
+"""The chapter 3 checkers accept the reference and valid alternatives, reject blanks with
+their hint, and name each classic bug."""
+
+import functools
+import operator
 
 import pytest
 import torch
+import torch.nn.functional as F
 
+from transformer_course import validate
 from transformer_course.checks import CheckFailure
-from transformer_course.checks.masking import check_causal_mask, check_masked_softmax, check_padding_mask
-from transformer_course.masking import causal_mask, masked_softmax, padding_mask
+from transformer_course.checks.masking import (
+    check_causal_mask,
+    check_combine_masks,
+    check_masked_softmax,
+    check_padding_mask,
+)
+from transformer_course.masking import causal_mask, combine_masks, masked_softmax, padding_mask
+
+CHECKERS = [check_causal_mask, check_padding_mask, check_combine_masks, check_masked_softmax]
 
 
 def test_reference_passes(capsys):
     check_causal_mask(causal_mask)
     check_padding_mask(padding_mask)
+    check_combine_masks(combine_masks)
     check_masked_softmax(masked_softmax)
     out = capsys.readouterr().out
-    for name in ("causal_mask", "padding_mask", "masked_softmax"):
+    for name in ("causal_mask", "padding_mask", "combine_masks", "masked_softmax"):
         assert f"✓ {name} passes every check" in out
 
 
@@ -21,7 +35,7 @@ def _blank(*args, **kwargs):
     raise NotImplementedError("start from torch.ones(..., dtype=torch.bool)")
 
 
-@pytest.mark.parametrize("checker", [check_causal_mask, check_padding_mask, check_masked_softmax])
+@pytest.mark.parametrize("checker", CHECKERS)
 def test_blank_fails_with_its_hint(checker):
     with pytest.raises(CheckFailure, match="not implemented yet") as info:
         checker(_blank)
@@ -37,6 +51,7 @@ def _causal(diagonal_shift=0, *, max_len=None, dtype=torch.bool, invert=False):
             mask = torch.ones(q_len, k_len, dtype=torch.bool).tril(k_len - q_len + diagonal_shift)
         mask = ~mask if invert else mask
         return mask.to(dtype=dtype, device=device)
+
     return causal
 
 
@@ -46,9 +61,14 @@ def _causal_max_shape(q_len, k_len=None, *, device=None):
 
 @pytest.mark.parametrize(
     ("fn", "word"),
-    [(_causal(-1), "diagonal"), (_causal(+1), "diagonal"), (_causal(max_len=32), "maximum length"),
-     (_causal_max_shape, "maximum length"), (_causal(invert=True), "inverted"),
-     (_causal(dtype=torch.float32), "bool")],
+    [
+        (_causal(-1), "diagonal"),
+        (_causal(+1), "diagonal"),
+        (_causal(max_len=32), "maximum length"),
+        (_causal_max_shape, "maximum length"),
+        (_causal(invert=True), "inverted"),
+        (_causal(dtype=torch.float32), "bool"),
+    ],
 )
 def test_causal_mask_bugs(fn, word):
     with pytest.raises(CheckFailure) as info:
@@ -58,10 +78,12 @@ def test_causal_mask_bugs(fn, word):
 
 @pytest.mark.parametrize(
     ("fn", "word"),
-    [(lambda tokens, pad_id: (tokens != pad_id)[:, None, :, None], "queries"),
-     (lambda tokens, pad_id: (tokens == pad_id)[:, None, None, :], "inverted"),
-     (lambda tokens, pad_id: (tokens != pad_id), "shape"),
-     (lambda tokens, pad_id: (tokens != pad_id)[:, None, None, :].long(), "bool")],
+    [
+        (lambda tokens, pad_id: (tokens != pad_id)[:, None, :, None], "queries"),
+        (lambda tokens, pad_id: (tokens == pad_id)[:, None, None, :], "inverted"),
+        (lambda tokens, pad_id: tokens != pad_id, "shape"),
+        (lambda tokens, pad_id: (tokens != pad_id)[:, None, None, :].long(), "bool"),
+    ],
 )
 def test_padding_mask_bugs(fn, word):
     with pytest.raises(CheckFailure) as info:
@@ -82,7 +104,9 @@ def no_zeroing(scores, mask):
 
 
 def query_dim(scores, mask):
-    return scores.masked_fill(~mask, torch.finfo(scores.dtype).min).softmax(-2).masked_fill(~mask, 0.0)
+    return (
+        scores.masked_fill(~mask, torch.finfo(scores.dtype).min).softmax(-2).masked_fill(~mask, 0.0)
+    )
 
 
 def mask_after_softmax(scores, mask):
@@ -91,10 +115,180 @@ def mask_after_softmax(scores, mask):
 
 @pytest.mark.parametrize(
     ("fn", "word"),
-    [(minus_inf, "NaN"), (minus_1e9, "fp16"), (no_zeroing, "zero"),
-     (query_dim, "dim=-1"), (mask_after_softmax, "sum to one")],
+    [
+        (minus_inf, "NaN"),
+        (minus_1e9, "fp16"),
+        (no_zeroing, "zero"),
+        (query_dim, "dim=-1"),
+        (mask_after_softmax, "sum to one"),
+    ],
 )
 def test_masked_softmax_bugs(fn, word):
     with pytest.raises(CheckFailure) as info:
         check_masked_softmax(fn)
     assert word in str(info.value)
+
+
+def _manual_softmax(scores):
+    shifted = scores - scores.amax(-1, keepdim=True)
+    return shifted.exp() / shifted.exp().sum(-1, keepdim=True)
+
+
+def upcast_and_back(scores, mask=None):
+    """Half precision computed in float32, returned in the input's dtype."""
+    dtype = scores.dtype
+    if dtype in (torch.float16, torch.bfloat16):
+        scores = scores.float()
+    if mask is None:
+        return F.softmax(scores, dim=-1).to(dtype)
+    filled = torch.where(mask, scores, torch.finfo(scores.dtype).min)
+    return torch.where(mask, _manual_softmax(filled), 0.0).to(dtype)
+
+
+@pytest.mark.parametrize(
+    "fn",
+    [
+        upcast_and_back,
+        lambda scores, mask=None: masked_softmax(scores, mask),
+        lambda scores, mask=None: (
+            scores.softmax(-1)
+            if mask is None
+            else F.softmax(scores.masked_fill(~mask, torch.finfo(scores.dtype).min), dim=-1) * mask
+        ),
+    ],
+    ids=["upcast, torch.where, manual softmax", "reference", "F.softmax times the mask"],
+)
+def test_masked_softmax_valid_alternatives_pass(fn):
+    check_masked_softmax(fn)
+
+
+def inverted(scores, mask=None):
+    return masked_softmax(scores, None if mask is None else ~mask)
+
+
+def inverted_minus_inf(scores, mask=None):
+    return scores.masked_fill(mask, float("-inf")).softmax(-1)
+
+
+def naive_exp(scores, mask=None):
+    filled = scores if mask is None else scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
+    weights = filled.exp() / filled.exp().sum(-1, keepdim=True)
+    return weights if mask is None else weights.masked_fill(~mask, 0.0)
+
+
+def crashes_without_mask(scores, mask=None):
+    return masked_softmax(scores, mask.bool())
+
+
+@pytest.mark.parametrize(
+    ("fn", "word"),
+    [
+        (inverted, "True means *may attend*"),
+        (inverted_minus_inf, "True means *may attend*"),
+        (naive_exp, "subtract each row's maximum"),
+        (crashes_without_mask, "defaults to None"),
+    ],
+)
+def test_masked_softmax_families(fn, word):
+    with pytest.raises(CheckFailure) as info:
+        check_masked_softmax(fn)
+    assert word in str(info.value), str(info.value)
+    assert "dim=-1" not in str(info.value)
+
+
+# ---- combine_masks ------------------------------------------------------------------------------
+
+
+def combine_with(op):
+    """A correct combine_masks built on `op` (`&`, torch.logical_and, ...)."""
+
+    def combine(*masks):
+        present = [
+            validate.bool_mask(m, f"masks[{i}]") for i, m in enumerate(masks) if m is not None
+        ]
+        return functools.reduce(op, present) if present else None
+
+    return combine
+
+
+@pytest.mark.parametrize(
+    "fn",
+    [combine_with(operator.and_), combine_with(torch.logical_and), combine_with(operator.mul)],
+    ids=["&", "torch.logical_and", "bool product"],
+)
+def test_combine_masks_valid_alternatives_pass(fn):
+    check_combine_masks(fn)
+
+
+def combine_or(*masks):
+    return combine_with(operator.or_)(*masks)
+
+
+def combine_by_stacking(*masks):
+    present = [validate.bool_mask(m) for m in masks if m is not None]
+    return torch.stack(present).all(0) if present else None
+
+
+def combine_expanded_to_first(*masks):
+    present = [validate.bool_mask(m) for m in masks if m is not None]
+    if not present:
+        return None
+    combined = present[0].clone()
+    for mask in present[1:]:
+        combined = combined & mask.expand(*mask.shape[:-2], *combined.shape[-2:])[..., 0, :, :]
+    return combined
+
+
+def combine_without_validation(*masks):
+    present = [m for m in masks if m is not None]
+    return functools.reduce(operator.and_, present) if present else None
+
+
+def combine_none_crashes(*masks):
+    return functools.reduce(operator.and_, [validate.bool_mask(m) for m in masks])
+
+
+def combine_none_as_all_true(*masks):
+    combined = torch.tensor(True)
+    for i, mask in enumerate(masks):
+        if mask is not None:
+            combined = combined & validate.bool_mask(mask, f"masks[{i}]")
+    return combined
+
+
+def combine_in_place(*masks):
+    present = [validate.bool_mask(m) for m in masks if m is not None]
+    if not present:
+        return None
+    combined = present[0]
+    for mask in present[1:]:
+        if mask.shape == combined.shape:
+            combined &= mask
+        else:
+            combined = combined & mask
+    return combined
+
+
+def combine_inverted(*masks):
+    combined = combine_masks(*masks)
+    return None if combined is None else ~combined
+
+
+@pytest.mark.parametrize(
+    ("fn", "words"),
+    [
+        (combine_or, ["OR", "AND"]),
+        (combine_by_stacking, ["broadcast"]),
+        (combine_expanded_to_first, ["broadcast"]),
+        (combine_without_validation, ["0/1", "ValueError"]),
+        (combine_none_crashes, ["None"]),
+        (combine_none_as_all_true, ["None"]),
+        (combine_in_place, ["in place"]),
+        (combine_inverted, ["True means *may attend*"]),
+    ],
+)
+def test_combine_masks_families(fn, words):
+    with pytest.raises(CheckFailure) as info:
+        check_combine_masks(fn)
+    for word in words:
+        assert word in str(info.value), str(info.value)

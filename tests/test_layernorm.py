@@ -61,13 +61,16 @@ def test_layernorm_gradients_match_functional_float64():
     upstream = torch.randn(3, 5, D, dtype=torch.float64)
     ours = torch.autograd.grad((ln(x) * upstream).sum(), (x, ln.w, ln.b))
     w, b = ln.w.detach().clone().requires_grad_(), ln.b.detach().clone().requires_grad_()
-    reference = torch.autograd.grad((F.layer_norm(x, (D,), w, b, eps=ln.eps) * upstream).sum(), (x, w, b))
+    reference = torch.autograd.grad(
+        (F.layer_norm(x, (D,), w, b, eps=ln.eps) * upstream).sum(), (x, w, b)
+    )
     for got, want in zip(ours, reference):
         torch.testing.assert_close(got, want, atol=1e-10, rtol=0)
 
 
 def test_layernorm_zero_variance_rows_give_the_shift():
-    """A constant vector has variance 0: eps inside the sqrt turns 0/0 into 0, so the output is b."""
+    """A constant vector has variance 0: eps inside the sqrt turns 0/0 into 0, so the output
+    is b."""
     ln = random_layernorm()
     x = torch.stack([torch.full((D,), 3.0), torch.zeros(D), torch.full((D,), -1e6)]).double()
     out = ln(x)
@@ -90,7 +93,9 @@ def test_layernorm_large_offset_float32():
     exact = F.layer_norm(x.double(), (D,), ln.w.double(), ln.b.double(), eps=ln.eps)
     ours = ln(x)
     torch.testing.assert_close(ours.double(), exact, atol=1e-2, rtol=0)
-    torch.testing.assert_close(ours, F.layer_norm(x, (D,), ln.w, ln.b, eps=ln.eps), atol=1e-2, rtol=0)
+    torch.testing.assert_close(
+        ours, F.layer_norm(x, (D,), ln.w, ln.b, eps=ln.eps), atol=1e-2, rtol=0
+    )
     naive_var = x.pow(2).mean(-1, keepdim=True) - x.mean(-1, keepdim=True).pow(2)
     naive = (x - x.mean(-1, keepdim=True)) / (naive_var + ln.eps).sqrt() * ln.w + ln.b
     assert not ((naive.double() - exact).abs() < 1e-1).all()
@@ -221,7 +226,9 @@ def _ulp(dtype: torch.dtype) -> float:
 @settings(max_examples=80, deadline=None)
 @given(
     dtype=st.sampled_from([torch.float64, torch.float32, torch.float16, torch.bfloat16]),
-    offset=st.floats(-1e4, 1e4), log_scale=st.floats(-2, 2), seed=st.integers(0, 2**16),
+    offset=st.floats(-1e4, 1e4),
+    log_scale=st.floats(-2, 2),
+    seed=st.integers(0, 2**16),
 )
 def test_property_norms_as_accurate_as_torch_in_every_dtype(dtype, offset, log_scale, seed):
     g = torch.Generator().manual_seed(seed)

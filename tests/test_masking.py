@@ -15,7 +15,13 @@ from hypothesis import strategies as st
 from torch.nn.attention.bias import causal_lower_right
 
 from transformer_course.attention import MultiHeadAttention, scaled_dot_product_attention
-from transformer_course.masking import causal_mask, combine_masks, fill_masked, masked_softmax, padding_mask
+from transformer_course.masking import (
+    causal_mask,
+    combine_masks,
+    fill_masked,
+    masked_softmax,
+    padding_mask,
+)
 
 T, F_ = True, False
 
@@ -52,8 +58,13 @@ def test_causal_mask_device():
 
 @pytest.mark.parametrize(
     ("args", "message"),
-    [((0,), "q_len: expected a positive int, got 0"), ((2.0,), "q_len"), ((True,), "q_len"),
-     ((4, 3), "k_len: expected k_len >= q_len=4"), ((2, -1), "k_len")],
+    [
+        ((0,), "q_len: expected a positive int, got 0"),
+        ((2.0,), "q_len"),
+        ((True,), "q_len"),
+        ((4, 3), "k_len: expected k_len >= q_len=4"),
+        ((2, -1), "k_len"),
+    ],
 )
 def test_causal_mask_errors(args, message):
     with pytest.raises(ValueError, match=message):
@@ -79,10 +90,16 @@ def test_padding_mask_matches_sdpa_with_key_padding():
 
 @pytest.mark.parametrize(
     ("tokens", "pad_id", "message"),
-    [(torch.tensor([1, 2, 0]), 0, r"tokens: expected an integer tensor of shape \(batch, k_pos\), got \(3,\)"),
-     (torch.zeros(2, 3), 0, "tokens: expected an integer dtype, got torch.float32"),
-     ([[1, 2]], 0, "tokens: expected an integer tensor"),
-     (torch.tensor([[1, 2]]), 0.5, "pad_id: expected an int, got 0.5")],
+    [
+        (
+            torch.tensor([1, 2, 0]),
+            0,
+            r"tokens: expected an integer tensor of shape \(batch, k_pos\), got \(3,\)",
+        ),
+        (torch.zeros(2, 3), 0, "tokens: expected an integer dtype, got torch.float32"),
+        ([[1, 2]], 0, "tokens: expected an integer tensor"),
+        (torch.tensor([[1, 2]]), 0.5, "pad_id: expected an int, got 0.5"),
+    ],
 )
 def test_padding_mask_errors(tokens, pad_id, message):
     with pytest.raises(ValueError, match=message):
@@ -92,10 +109,12 @@ def test_padding_mask_errors(tokens, pad_id, message):
 def test_combine_masks():
     tokens = torch.tensor([[1, 2, 0], [1, 0, 0]])
     combined = combine_masks(causal_mask(3), None, padding_mask(tokens, 0))
-    expected = torch.tensor([
-        [[T, F_, F_], [T, T, F_], [T, T, F_]],
-        [[T, F_, F_], [T, F_, F_], [T, F_, F_]],
-    ])[:, None]
+    expected = torch.tensor(
+        [
+            [[T, F_, F_], [T, T, F_], [T, T, F_]],
+            [[T, F_, F_], [T, F_, F_], [T, F_, F_]],
+        ]
+    )[:, None]
     assert torch.equal(combined, expected)
     assert combine_masks(None, None) is None
 
@@ -103,7 +122,9 @@ def test_combine_masks():
 def test_combine_masks_errors():
     with pytest.raises(ValueError, match=r"masks\[1\]: expected a bool tensor .* got torch.int64"):
         combine_masks(causal_mask(3), torch.ones(3, 3, dtype=torch.long))
-    with pytest.raises(ValueError, match=r"masks\[1\]: shape \(4, 4\) does not broadcast .* \(3, 3\)"):
+    with pytest.raises(
+        ValueError, match=r"masks\[1\]: shape \(4, 4\) does not broadcast .* \(3, 3\)"
+    ):
         combine_masks(causal_mask(3), causal_mask(4))
 
 
@@ -133,7 +154,8 @@ def test_masked_softmax_fully_masked_row_is_zero_with_finite_grads(dtype):
 
 
 def test_minus_inf_fill_is_the_nan_pitfall():
-    """The bug chapter 3 warns about is real: -inf on a fully masked row gives NaN; our fill does not."""
+    """The bug chapter 3 warns about is real: -inf on a fully masked row gives NaN; our fill
+    does not."""
     scores = torch.zeros(1, 3)
     nothing = torch.zeros(1, 3, dtype=torch.bool)
     assert torch.isnan(scores.masked_fill(~nothing, float("-inf")).softmax(-1)).all()
@@ -141,6 +163,7 @@ def test_minus_inf_fill_is_the_nan_pitfall():
 
 
 # ---- property tests on MultiHeadAttention -------------------------------------------------------
+
 
 def _module(d_model=8, n_heads=2, seed=0):
     torch.manual_seed(seed)
@@ -153,8 +176,11 @@ def _module(d_model=8, n_heads=2, seed=0):
 
 @settings(max_examples=25, deadline=None)
 @given(
-    seq=st.integers(2, 8), cut=st.integers(1, 7), batch=st.integers(1, 3),
-    fast=st.booleans(), seed=st.integers(0, 2**16),
+    seq=st.integers(2, 8),
+    cut=st.integers(1, 7),
+    batch=st.integers(1, 3),
+    fast=st.booleans(),
+    seed=st.integers(0, 2**16),
 )
 def test_property_causality(seq, cut, batch, fast, seed):
     """Changing tokens after position `cut` never changes outputs at positions before it."""
@@ -173,8 +199,11 @@ def test_property_causality(seq, cut, batch, fast, seed):
 
 @settings(max_examples=25, deadline=None)
 @given(
-    q_len=st.integers(1, 6), k_len=st.integers(1, 6), extra=st.integers(1, 5),
-    fast=st.booleans(), seed=st.integers(0, 2**16),
+    q_len=st.integers(1, 6),
+    k_len=st.integers(1, 6),
+    extra=st.integers(1, 5),
+    fast=st.booleans(),
+    seed=st.integers(0, 2**16),
 )
 def test_property_padding_invariance(q_len, k_len, extra, fast, seed):
     """Appending any number of padding keys (with any content) never changes the output."""
@@ -194,12 +223,15 @@ def test_property_padding_invariance(q_len, k_len, extra, fast, seed):
 
 @settings(max_examples=30, deadline=None)
 @given(
-    q_len=st.integers(1, 5), k_len=st.integers(1, 5), fast=st.booleans(),
+    q_len=st.integers(1, 5),
+    k_len=st.integers(1, 5),
+    fast=st.booleans(),
     dtype=st.sampled_from([torch.float64, torch.float32, torch.float16, torch.bfloat16]),
     seed=st.integers(0, 2**16),
 )
 def test_property_no_nan_for_fully_masked_rows(q_len, k_len, fast, dtype, seed):
-    """Random masks, some rows with no allowed key: those rows give exactly b_O, grads stay finite."""
+    """Random masks, some rows with no allowed key: those rows give exactly b_O, grads stay
+    finite."""
     mha = _module(seed=seed).to(dtype)
     mha.fast_path = fast
     g = torch.Generator().manual_seed(seed)
@@ -222,8 +254,11 @@ def test_property_no_nan_for_fully_masked_rows(q_len, k_len, fast, dtype, seed):
 @settings(max_examples=80, deadline=None)
 @given(
     dtype=st.sampled_from([torch.float32, torch.float16, torch.bfloat16]),
-    log_scale=st.floats(-3, 6), q_len=st.integers(1, 5), k_len=st.integers(1, 6),
-    masked=st.sampled_from([0.0, 0.5, 0.9, 1.0]), seed=st.integers(0, 2**16),
+    log_scale=st.floats(-3, 6),
+    q_len=st.integers(1, 5),
+    k_len=st.integers(1, 6),
+    masked=st.sampled_from([0.0, 0.5, 0.9, 1.0]),
+    seed=st.integers(0, 2**16),
 )
 def test_property_masked_softmax_any_mask_any_scale(dtype, log_scale, q_len, k_len, masked, seed):
     """No NaN, exact zeros where masked, finite gradients, and within 4 ulps of the exact softmax.

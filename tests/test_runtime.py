@@ -23,7 +23,9 @@ def test_default_profile_follows_the_device(monkeypatch):
 
 def test_unknown_profile_is_a_clear_error(monkeypatch):
     monkeypatch.setenv("COURSE_PROFILE", "fast")
-    with pytest.raises(ValueError, match=r"COURSE_PROFILE must be one of \('quick', 'full'\), got 'fast'"):
+    with pytest.raises(
+        ValueError, match=r"COURSE_PROFILE must be one of \('quick', 'full'\), got 'fast'"
+    ):
         runtime.get_profile()
 
 

@@ -9,6 +9,10 @@
 # 3. `MultiHeadAttention`: the initialisation and the forward pass of a TransformerLens-style
 #    attention layer with `n_heads` heads.
 #
+# At the end, a tiny model built around **your** `MultiHeadAttention` learns to reverse a
+# sequence, a task no model without attention can do, and you read off the attention pattern
+# it learned.
+#
 # Each check cell compares your code with the course's reference and PyTorch's
 # `torch.nn.functional.scaled_dot_product_attention`, and when they differ it tells you which
 # classic mistake your output matches. The chapter's book page explains the why.
@@ -18,8 +22,10 @@
 
 # %% tags=nbval-ignore-output
 import math
+import time
 
 import einops
+import matplotlib.pyplot as plt
 import torch
 import torch.nn.functional as F
 from jaxtyping import Bool, Float
@@ -27,7 +33,8 @@ from torch import Tensor, nn
 from transformer_lens.hook_points import HookPoint
 from transformer_lens.HookedRootModule import HookedRootModule
 
-from transformer_course.attention import validate_qkv, zero_unseen
+from transformer_course import validate
+from transformer_course.attention import zero_unseen
 from transformer_course.checks.attention import (
     check_attention_scores,
     check_multi_head_attention,
@@ -62,11 +69,11 @@ check_attention_scores(attention_scores)
 #
 # $$\text{Attention}(Q, K, V) = \text{softmax}\left(\frac{QK^\top}{\sqrt{d_\text{head}}}\right)V$$
 #
-# Start with `validate_qkv(q, k, v, mask)`, which raises a clear error for inputs of the wrong
-# shape. Then compute the scores with your `attention_scores`, turn them into a pattern with
-# `masked_softmax(scores, mask)` (a softmax over the **last** dim that ignores forbidden keys and
-# gives zeros, never NaN, for a query with no allowed key), and take the weighted sum of the
-# values. Return both the output and the pattern.
+# Start with `validate.attention_inputs(q, k, v, mask)`, which raises a clear error for inputs
+# of the wrong shape. Then compute the scores with your `attention_scores`, turn them into a
+# pattern with `masked_softmax(scores, mask)` (a softmax over the **last** dim that ignores
+# forbidden keys and gives zeros, never NaN, for a query with no allowed key), and take the
+# weighted sum of the values. Return both the output and the pattern, in the dtype of `q`.
 
 # %% [exercise] transformer_course.attention:scaled_dot_product_attention difficulty=2 importance=5 minutes=10
 # hint: Three steps: scores, a softmax over the keys (the last dim), a weighted sum of the values.
@@ -83,8 +90,16 @@ check_scaled_dot_product_attention(scaled_dot_product_attention)
 q, k, v = torch.randn(2, 4, 5, 8), torch.randn(2, 4, 7, 8), torch.randn(2, 4, 7, 3)
 mask = causal_mask(5, 7)
 out, pattern = scaled_dot_product_attention(q, k, v, mask)
-print("pattern shape:", tuple(pattern.shape), "| rows sum to one:", torch.allclose(pattern.sum(-1), torch.ones(2, 4, 5)))
-print("same as F.scaled_dot_product_attention:", torch.allclose(out, F.scaled_dot_product_attention(q, k, v, attn_mask=mask), atol=1e-6))
+print(
+    "pattern shape:",
+    tuple(pattern.shape),
+    "| rows sum to one:",
+    torch.allclose(pattern.sum(-1), torch.ones(2, 4, 5)),
+)
+print(
+    "same as F.scaled_dot_product_attention:",
+    torch.allclose(out, F.scaled_dot_product_attention(q, k, v, attn_mask=mask), atol=1e-6),
+)
 
 # %% [markdown]
 # ## Exercise 2.3: `MultiHeadAttention`
@@ -107,6 +122,8 @@ print("same as F.scaled_dot_product_attention:", torch.allclose(out, F.scaled_do
 #   every head back with `W_O` and sum over heads (one einsum), and add `b_O`. When
 #   `self.fast_path` is set, replace the scores-pattern-z steps with one call to
 #   `F.scaled_dot_product_attention(q, k, v, attn_mask=mask)`.
+# * `causal=True` hides the keys after each query: AND `causal_mask(q_pos, k_pos)` into `mask`
+#   (chapter 6's GPT-2 calls its attention this way).
 #
 # The check compares every hook point with the reference, so when something is off it tells
 # you the first step that differs.
@@ -133,6 +150,89 @@ mha = MultiHeadAttention(d_model=32, n_heads=4)
 _, cache = mha.run_with_cache(torch.randn(1, 6, 32), mask=causal_mask(6))
 print({name: tuple(t.shape) for name, t in cache.items()})
 print(cache["hook_pattern"][0, 0].round(decimals=2))
+
+# %% [markdown]
+# ## Your attention learns to reverse a sequence
+#
+# Reversing needs attention: output position $i$ must fetch the token at position
+# $7 - i$ of an 8-token input. A model that treats each position on its own can only guess, one
+# time in ten with 10 possible tokens. The smallest model that can do it: token and position
+# embeddings, **your** `MultiHeadAttention` with two heads and no mask (every position may look
+# at every other), added to the residual stream, and an unembedding.
+
+# %%
+VOCAB, SEQ_LEN = 10, 8
+
+
+class Reverser(nn.Module):
+    """Embed, add one attention layer's output to the residual stream, unembed."""
+
+    def __init__(self, d_model: int = 32, n_heads: int = 2) -> None:
+        super().__init__()
+        self.W_E = nn.Parameter(torch.randn(VOCAB, d_model) * 0.1)
+        self.W_pos = nn.Parameter(torch.randn(SEQ_LEN, d_model) * 0.1)
+        self.attn = MultiHeadAttention(d_model, n_heads)  # yours
+        self.W_U = nn.Parameter(torch.randn(d_model, VOCAB) * 0.1)
+
+    def embed(self, tokens: Tensor) -> Tensor:
+        return self.W_E[tokens] + self.W_pos
+
+    def forward(self, tokens: Tensor) -> Tensor:
+        resid = self.embed(tokens)
+        return (resid + self.attn(resid)) @ self.W_U
+
+
+def reversal_batch(n: int, generator: torch.Generator) -> tuple[Tensor, Tensor]:
+    """`n` random sequences and their reversals."""
+    tokens = torch.randint(VOCAB, (n, SEQ_LEN), generator=generator)
+    return tokens, tokens.flip(-1)
+
+
+# %% [check] tags=nbval-ignore-output
+torch.manual_seed(0)
+model = Reverser()
+optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+batches = torch.Generator().manual_seed(1)
+start = time.perf_counter()
+for step in range(201):
+    tokens, target = reversal_batch(64, batches)
+    loss = F.cross_entropy(model(tokens).flatten(0, 1), target.flatten())
+    optimizer.zero_grad()
+    loss.backward()
+    optimizer.step()
+    if step % 25 == 0:
+        print(f"step {step:3d}  loss {loss.item():.3f}")
+print(f"trained in {time.perf_counter() - start:.1f} s")
+
+# %% [markdown]
+# The loss starts at chance, $\ln 10 \approx 2.3$, and drops to almost zero within a few dozen
+# steps, once the heads find where to look. On 1,000 sequences it has never seen, with and
+# without the attention layer's contribution to the residual stream:
+
+# %% [check]
+tokens, target = reversal_batch(1000, torch.Generator().manual_seed(2))
+with torch.no_grad():
+    with_attention = (model(tokens).argmax(-1) == target).float().mean().item()
+    without = ((model.embed(tokens) @ model.W_U).argmax(-1) == target).float().mean().item()
+print(f"reversed correctly, with your attention: {with_attention:.0%}")
+print(f"without it: {'chance level' if without < 0.2 else f'{without:.0%}'} (chance is 10%)")
+
+# %% [markdown]
+# Your `hook_pattern` shows how. Averaged over those 1,000 sequences, output position $i$ puts
+# nearly all its weight on input position $7 - i$: an anti-diagonal, in both heads.
+
+# %% [check]
+with torch.no_grad():
+    _, cache = model.attn.run_with_cache(model.embed(tokens))
+patterns = cache["hook_pattern"].mean(0)  # (head, q_pos, k_pos), averaged over the batch
+fig, axes = plt.subplots(1, patterns.shape[0], figsize=(4 * patterns.shape[0], 3.6))
+for head, ax in enumerate(axes):
+    ax.imshow(patterns[head], cmap="Blues", vmin=0, vmax=1)
+    ax.set(title=f"head {head}", xlabel="key (input) position", ylabel="query (output) position")
+fig.tight_layout()
+plt.show()
+mirror = patterns[:, torch.arange(SEQ_LEN), SEQ_LEN - 1 - torch.arange(SEQ_LEN)]
+print("every query of every head puts > 0.5 on its mirror:", bool((mirror > 0.5).all()))
 
 # %% [markdown]
 # ## Going further

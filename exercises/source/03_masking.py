@@ -1,12 +1,16 @@
 # %% [markdown]
 # # Chapter 3 workbook: masking
 #
-# You will write the three pieces that decide which keys each query may look at:
+# You will write the four pieces that decide which keys each query may look at:
 #
 # 1. `causal_mask`: no token sees the future, also when a KV cache makes keys outnumber queries.
 # 2. `padding_mask`: no query sees a padding key.
-# 3. `masked_softmax`: a softmax that ignores forbidden keys and never returns NaN, even for a
+# 3. `combine_masks`: both rules at once, for masks of different shapes.
+# 4. `masked_softmax`: a softmax that ignores forbidden keys and never returns NaN, even for a
 #    query with no allowed key, in float32, float16 and bfloat16.
+#
+# At the end, your four pieces run attention over a left-padded batch, the case where the
+# textbook version returns NaN.
 #
 # Masks are boolean with **True = may attend** (PyTorch's `scaled_dot_product_attention`
 # convention) and broadcast against attention scores of shape `(batch, head, q_pos, k_pos)`.
@@ -19,10 +23,15 @@ import torch.nn.functional as F
 from jaxtyping import Bool, Float, Int
 from torch import Tensor
 
-from transformer_course.attention import MultiHeadAttention
-from transformer_course.checks.masking import check_causal_mask, check_masked_softmax, check_padding_mask
 from transformer_course import validate
-from transformer_course.masking import combine_masks, fill_masked, upcast
+from transformer_course.attention import MultiHeadAttention, attention_scores
+from transformer_course.checks.masking import (
+    check_causal_mask,
+    check_combine_masks,
+    check_masked_softmax,
+    check_padding_mask,
+)
+from transformer_course.masking import fill_masked, upcast
 from transformer_course.runtime import describe, seed_everything
 
 seed_everything(0)
@@ -63,6 +72,29 @@ check_causal_mask(causal_mask)
 check_padding_mask(padding_mask)
 
 # %% [markdown]
+# ## Exercise 3.3: `combine_masks`
+#
+# A decoder batch needs both rules at once: a query may see a key only if the key is not in the
+# future **and** not padding. `combine_masks(*masks)` takes any number of masks:
+#
+# * a key is allowed only where **every** mask allows it;
+# * masks of different shapes broadcast against each other: `(q_pos, k_pos)` with
+#   `(batch, 1, 1, k_pos)` gives `(batch, 1, q_pos, k_pos)`, one mask per sequence;
+# * `None` means "no restriction": skip it, and return `None` when no mask is left;
+# * anything but a bool mask is refused with a `ValueError`: a 0/1 float or int mask could mean
+#   either convention. `validate.bool_mask(mask, name)` (given) raises one;
+# * the masks you are given stay as they were.
+
+# %% [exercise] transformer_course.masking:combine_masks difficulty=2 importance=4 minutes=10
+# hint: Go through the masks one at a time, narrowing down what is allowed so far. What should
+#   "allowed so far" be before you have seen any mask?
+# hint: An elementwise AND of bool tensors broadcasts the way arithmetic does, and
+#   `torch.broadcast_shapes` tells you whether two shapes fit together.
+
+# %% [check]
+check_combine_masks(combine_masks)
+
+# %% [markdown]
 # Combined, the two masks give each sequence of a batch its own lower triangle without the
 # padding columns:
 
@@ -71,7 +103,7 @@ tokens = torch.tensor([[5, 6, 7, 0, 0], [8, 9, 0, 0, 0]])
 print(combine_masks(causal_mask(5), padding_mask(tokens, pad_id=0)).int())
 
 # %% [markdown]
-# ## Exercise 3.3: `masked_softmax`
+# ## Exercise 3.4: `masked_softmax`
 #
 # Filling forbidden scores with $-\infty$ before the softmax works until a query has **no**
 # allowed key (a padding query under a causal-and-padding mask, for instance): then every entry
@@ -104,6 +136,37 @@ scores = torch.randn(2, 4, dtype=torch.float16)
 mask = torch.tensor([[True, True, False, False], [False, False, False, False]])
 print("-inf fill:", scores.masked_fill(~mask, float("-inf")).softmax(-1).tolist())
 print("yours:    ", masked_softmax(scores, mask).tolist())
+
+# %% [markdown]
+# ## Your masks on a left-padded batch
+#
+# Prompts of different lengths are often padded on the **left**, so that they all end at the
+# last position. Under a causal mask the first queries of a padded prompt then see nothing but
+# padding: no allowed key at all. Here your `causal_mask`, `padding_mask`, `combine_masks` and
+# `masked_softmax` run single-head attention (with chapter 2's `attention_scores`) over such a
+# batch, and three things must hold:
+#
+# 1. no NaN, in the output or in any gradient;
+# 2. the queries with no allowed key output exactly zero;
+# 3. the real positions of the padded prompt get exactly what they would get with no padding
+#    at all.
+
+# %% [check]
+tokens = torch.tensor([[0, 0, 7, 8, 9], [3, 4, 5, 6, 7]])  # pad_id 0: prompt 0 is left-padded
+x = torch.randn(2, 1, 5, 16, dtype=torch.float64, requires_grad=True)  # (batch, head, pos, d)
+
+
+def attend(x: Tensor, mask: Tensor) -> Tensor:
+    return masked_softmax(attention_scores(x, x), mask) @ x
+
+
+mask = combine_masks(causal_mask(5), padding_mask(tokens, pad_id=0))
+out = attend(x, mask)
+out.pow(2).sum().backward()
+print("1. no NaN in output or gradients:", not (out.isnan().any() or x.grad.isnan().any()).item())
+print("2. queries with no allowed key give zeros:", bool((out[0, 0, :2] == 0).all()))
+alone = attend(x[:1, :, 2:], causal_mask(3))  # prompt 0 without its padding
+print("3. real positions as if unpadded:", torch.allclose(out[:1, :, 2:], alone, atol=1e-12))
 
 # %% [markdown]
 # ## Going further

@@ -36,51 +36,10 @@ from transformer_course.masking import causal_mask, fill_masked, masked_softmax,
 __all__ = [
     "attention_scores",
     "scaled_dot_product_attention",
-    "validate_qkv",
     "zero_unseen",
     "MultiHeadAttention",
+    "set_fast_path",
 ]
-
-
-def _shape(t: Tensor) -> tuple[int, ...]:
-    return tuple(t.shape)
-
-
-def validate_qkv(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None) -> None:
-    """Raise a ValueError naming the argument if q, k, v or mask cannot go through attention."""
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(t, Tensor) or t.ndim < 2 or not t.is_floating_point():
-            got = f"{t.dtype} tensor of shape {_shape(t)}" if isinstance(t, Tensor) else type(t).__name__
-            raise ValueError(f"{name}: expected a floating-point tensor of shape (..., pos, d), got {got}")
-        if t.dtype != q.dtype:
-            raise ValueError(f"{name}: expected dtype {q.dtype} (the dtype of q), got {t.dtype}")
-    if k.shape[-1] != q.shape[-1]:
-        raise ValueError(
-            f"k: expected last dim d_head={q.shape[-1]} (the last dim of q), got {k.shape[-1]} (shape {_shape(k)})"
-        )
-    if v.shape[-2] != k.shape[-2]:
-        raise ValueError(
-            f"v: expected k_pos={k.shape[-2]} positions (dim -2 of k), got {v.shape[-2]} (shape {_shape(v)})"
-        )
-    try:
-        batch = torch.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2])
-    except RuntimeError:
-        raise ValueError(
-            f"k, v: batch dims must broadcast with q's; got q {_shape(q)}, k {_shape(k)}, v {_shape(v)}"
-        ) from None
-    if mask is None:
-        return
-    validate.bool_mask(mask)
-    scores_shape = (*batch, q.shape[-2], k.shape[-2])
-    try:
-        fits = torch.broadcast_shapes(mask.shape, scores_shape) == torch.Size(scores_shape)
-    except RuntimeError:
-        fits = False
-    if not fits:
-        raise ValueError(
-            f"mask: expected a shape broadcastable to the scores' {scores_shape} "
-            f"(..., q_pos, k_pos), got {_shape(mask)}"
-        )
 
 
 def attention_scores(
@@ -91,6 +50,8 @@ def attention_scores(
     Without the scaling the dot product of two random unit-variance vectors has variance
     d_head, so large heads push the softmax into saturation where its gradient vanishes.
     float16 and bfloat16 inputs give float32 scores: float16 overflows at 65504.
+
+    Course: chapter 2, exercise 2.1, checked by checks.attention.check_attention_scores.
     """
     # Scaling q (q_pos x d_head numbers) costs less than scaling the scores (q_pos x k_pos).
     q = upcast(q) / math.sqrt(q.shape[-1])
@@ -104,6 +65,8 @@ def zero_unseen(
 
     Their weight is already 0, but 0 * NaN = NaN: without this, one NaN in a padded position
     would turn every output of the sequence into NaN.
+
+    Course: chapter 2.
     """
     if mask is None:
         return t
@@ -121,8 +84,10 @@ def scaled_dot_product_attention(
     The softmax runs over keys: each query's weights sum to one (or are all zero when the
     mask forbids every key of that query). Half-precision inputs are computed in float32 and
     both results come back in the input dtype.
+
+    Course: chapter 2, exercise 2.2, checked by checks.attention.check_scaled_dot_product_attention.
     """
-    validate_qkv(q, k, v, mask)
+    validate.attention_inputs(q, k, v, mask)
     pattern = masked_softmax(attention_scores(q, k), mask)
     v = upcast(zero_unseen(v, mask))
     out = einops.einsum(pattern, v, "... q_pos k_pos, ... k_pos d_v -> ... q_pos d_v")
@@ -140,6 +105,8 @@ class MultiHeadAttention(HookedRootModule):
     `fast_path=True` (in the constructor, for a whole model with `set_fast_path`) to call
     `torch.nn.functional.scaled_dot_product_attention` instead: faster and lighter on memory
     for training, but the pattern hooks are not run.
+
+    Course: chapter 2, exercise 2.3, checked by checks.attention.check_multi_head_attention.
     """
 
     def __init__(
@@ -152,17 +119,16 @@ class MultiHeadAttention(HookedRootModule):
         fast_path: bool = False,
     ) -> None:
         super().__init__()
-        for name, value in (("d_model", d_model), ("n_heads", n_heads)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name}: expected a positive int, got {value!r}")
+        d_model = validate.positive_int("d_model", d_model)
+        n_heads = validate.positive_int("n_heads", n_heads)
         if d_head is None:
             if d_model % n_heads:
                 raise ValueError(
-                    f"d_model: expected a multiple of n_heads={n_heads} when d_head is not given, got {d_model}"
+                    f"d_model: expected a multiple of n_heads={n_heads} when d_head is not "
+                    f"given, got {d_model}"
                 )
             d_head = d_model // n_heads
-        elif isinstance(d_head, bool) or not isinstance(d_head, int) or d_head < 1:
-            raise ValueError(f"d_head: expected a positive int or None, got {d_head!r}")
+        d_head = validate.positive_int("d_head", d_head)
         self.d_model, self.n_heads, self.d_head = d_model, n_heads, d_head
         self.fast_path = fast_path
 
@@ -170,7 +136,8 @@ class MultiHeadAttention(HookedRootModule):
         self.W_K = nn.Parameter(torch.empty(n_heads, d_model, d_head))
         self.W_V = nn.Parameter(torch.empty(n_heads, d_model, d_head))
         self.W_O = nn.Parameter(torch.empty(n_heads, d_head, d_model))
-        for name, shape in (("b_Q", (n_heads, d_head)), ("b_K", (n_heads, d_head)), ("b_V", (n_heads, d_head)), ("b_O", (d_model,))):
+        bias_shapes = {name: (n_heads, d_head) for name in ("b_Q", "b_K", "b_V")}
+        for name, shape in {**bias_shapes, "b_O": (d_model,)}.items():
             self.register_parameter(name, nn.Parameter(torch.empty(shape)) if bias else None)
         self.reset_parameters()
 
@@ -193,7 +160,9 @@ class MultiHeadAttention(HookedRootModule):
     def _check_input(self, name: str, t: Tensor, batch: int | None = None) -> None:
         if not isinstance(t, Tensor) or t.ndim != 3 or t.shape[-1] != self.d_model:
             got = f"shape {tuple(t.shape)}" if isinstance(t, Tensor) else type(t).__name__
-            raise ValueError(f"{name}: expected shape (batch, pos, d_model={self.d_model}), got {got}")
+            raise ValueError(
+                f"{name}: expected shape (batch, pos, d_model={self.d_model}), got {got}"
+            )
         # Under autocast PyTorch casts inputs and weights itself.
         if t.dtype != self.W_Q.dtype and not torch.is_autocast_enabled(t.device.type):
             raise ValueError(
@@ -201,7 +170,9 @@ class MultiHeadAttention(HookedRootModule):
                 f"got {t.dtype}; convert the input or the module with .to(dtype)"
             )
         if batch is not None and t.shape[0] != batch:
-            raise ValueError(f"{name}: expected batch size {batch} (the batch size of x), got {t.shape[0]}")
+            raise ValueError(
+                f"{name}: expected batch size {batch} (the batch size of x), got {t.shape[0]}"
+            )
 
     def forward(
         self,
@@ -225,15 +196,19 @@ class MultiHeadAttention(HookedRootModule):
             self._check_input("context", context, batch=x.shape[0])
 
         def project(inp: Tensor, W: Tensor, b: Tensor | None) -> Tensor:
-            out = einops.einsum(inp, W, "batch pos d_model, head d_model d_head -> batch pos head d_head")
+            out = einops.einsum(
+                inp, W, "batch pos d_model, head d_model d_head -> batch pos head d_head"
+            )
             return out if b is None else out + b
 
         q = self.hook_q(project(x, self.W_Q, self.b_Q))
         k = self.hook_k(project(context, self.W_K, self.b_K))
         v = self.hook_v(project(context, self.W_V, self.b_V))
         # Heads become a batch dimension: (batch, head, pos, d_head).
-        q, k, v = (einops.rearrange(t, "batch pos head d_head -> batch head pos d_head") for t in (q, k, v))
-        validate_qkv(q, k, v, mask)
+        q, k, v = (
+            einops.rearrange(t, "batch pos head d_head -> batch head pos d_head") for t in (q, k, v)
+        )
+        validate.attention_inputs(q, k, v, mask)
         if causal and (mask is not None or not self.fast_path or q.shape[-2] != k.shape[-2]):
             allowed = causal_mask(q.shape[-2], k.shape[-2], device=q.device)
             mask, causal = (allowed if mask is None else allowed & mask), False
@@ -252,19 +227,24 @@ class MultiHeadAttention(HookedRootModule):
             if mask is not None:  # as in masked_softmax: rows with no allowed key become zeros
                 pattern = pattern.masked_fill(~mask, 0.0)
             pattern = self.hook_pattern(pattern.to(v.dtype))
-            z = einops.einsum(pattern, v, "batch head q_pos k_pos, batch head k_pos d_head -> batch head q_pos d_head")
+            z = einops.einsum(pattern, v, "... q_pos k_pos, ... k_pos d_head -> ... q_pos d_head")
         z = self.hook_z(einops.rearrange(z, "batch head q_pos d_head -> batch q_pos head d_head"))
 
         # Concatenating the heads and multiplying by a (head d_head, d_model) matrix is the same
         # as projecting each head with its own W_O[head] and summing over heads.
-        out = einops.einsum(z, self.W_O, "batch q_pos head d_head, head d_head d_model -> batch q_pos d_model")
+        out = einops.einsum(
+            z, self.W_O, "batch q_pos head d_head, head d_head d_model -> batch q_pos d_model"
+        )
         return out if self.b_O is None else out + self.b_O
 
 
 def set_fast_path(model: nn.Module, enabled: bool = True) -> nn.Module:
     """Switch every `MultiHeadAttention` in `model` to PyTorch's fused attention (`enabled=True`:
     faster and lighter on memory for training and sampling, pattern hooks not run) or back to
-    the einsum path whose patterns can be inspected. Returns `model`."""
+    the einsum path whose patterns can be inspected. Returns `model`.
+
+    Course: chapter 2.
+    """
     for module in model.modules():
         if isinstance(module, MultiHeadAttention):
             module.fast_path = enabled

@@ -24,6 +24,8 @@ class LayerNorm(nn.Module):
     sits inside the square root, so a constant vector gives `b` rather than a division by zero.
     float16 and bfloat16 inputs are normalised in float32 (in float16, squaring overflows once
     |x| > 256) and the result is returned in the input's dtype.
+
+    Course: chapter 4, exercise 4.1, checked by checks.layernorm.check_layernorm.
     """
 
     def __init__(self, d_model: int, eps: float = 1e-5):
@@ -33,8 +35,10 @@ class LayerNorm(nn.Module):
         self.eps = eps
         self.w = nn.Parameter(torch.ones(d_model))
         self.b = nn.Parameter(torch.zeros(d_model))
-        self.hook_scale = HookPoint()  # [*batch, 1]: the standard deviation each vector is divided by
-        self.hook_normalized = HookPoint()  # [*batch, d_model]: before the learned scale and shift
+        # [*batch, 1]: the standard deviation each vector is divided by
+        self.hook_scale = HookPoint()
+        # [*batch, d_model]: the normalised vector, before the learned scale and shift
+        self.hook_normalized = HookPoint()
 
     def forward(self, x: Float[Tensor, "*batch d_model"]) -> Float[Tensor, "*batch d_model"]:
         """Normalise each vector of `x` over its last dim, then apply the learned `w` and `b`."""
@@ -53,7 +57,10 @@ class LayerNorm(nn.Module):
 class RMSNorm(nn.Module):
     """Divide each vector by its root mean square, then scale by `w`: layer norm without the
     centring and without the shift, used by LLaMA, T5 and most recent models. Like `LayerNorm`,
-    it computes in float32 for float16 and bfloat16 inputs and returns the input's dtype."""
+    it computes in float32 for float16 and bfloat16 inputs and returns the input's dtype.
+
+    Course: chapter 4, exercise 4.2, checked by checks.layernorm.check_rmsnorm.
+    """
 
     def __init__(self, d_model: int, eps: float = 1e-6):
         super().__init__()
@@ -61,11 +68,13 @@ class RMSNorm(nn.Module):
         self.d_model = d_model
         self.eps = eps
         self.w = nn.Parameter(torch.ones(d_model))
-        self.hook_scale = HookPoint()  # [*batch, 1]: the root mean square each vector is divided by
-        self.hook_normalized = HookPoint()  # [*batch, d_model]: before the learned scale
+        # [*batch, 1]: the root mean square each vector is divided by
+        self.hook_scale = HookPoint()
+        # [*batch, d_model]: the normalised vector, before the learned scale
+        self.hook_normalized = HookPoint()
 
     def forward(self, x: Float[Tensor, "*batch d_model"]) -> Float[Tensor, "*batch d_model"]:
-        """Divide each vector of `x` by its root mean square over the last dim, then scale by `w`."""
+        """Divide each vector of `x` by its root mean square over its last dim, then scale by w."""
         validate.last_dim(x, self.d_model)
         dtype, x = x.dtype, upcast(x)
         mean_square = x.pow(2).mean(dim=-1, keepdim=True)

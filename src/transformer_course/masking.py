@@ -36,49 +36,58 @@ def upcast(t: Tensor) -> Tensor:
     """`t` in float32 if it is float16 or bfloat16, else unchanged: the dtype to accumulate in.
 
     Half precision loses too much in a long sum, and float16 overflows above 65504.
+
+    Course: chapter 3.
     """
     return t.to(torch.promote_types(t.dtype, torch.float32))
 
 
-def causal_mask(q_len: int, k_len: int | None = None, *, device: torch.device | str | None = None) -> Bool[Tensor, "q_pos k_pos"]:
+def causal_mask(
+    q_len: int, k_len: int | None = None, *, device: torch.device | str | None = None
+) -> Bool[Tensor, "q_pos k_pos"]:
     """The causal mask: query `i` may attend to key `j` iff `j <= i + (k_len - q_len)`.
 
     With `k_len == q_len` (the default) this is the lower triangle, diagonal included: a token
     sees itself and everything before it. With `k_len > q_len` the queries are the *last*
     `q_len` positions of a sequence of `k_len` (a KV cache holds the earlier keys), so the
     last query sees every key.
+
+    Course: chapter 3, exercise 3.1, checked by checks.masking.check_causal_mask.
     """
     q_len = validate.positive_int("q_len", q_len)
     k_len = q_len if k_len is None else validate.positive_int("k_len", k_len)
     if k_len < q_len:
         raise ValueError(
-            f"k_len: expected k_len >= q_len={q_len} (queries are the last positions of the keys), got {k_len}"
+            f"k_len: expected k_len >= q_len={q_len} (queries are the last positions of the "
+            f"keys), got {k_len}"
         )
     allowed = torch.ones(q_len, k_len, dtype=torch.bool, device=device)
     return allowed.tril(diagonal=k_len - q_len)
 
 
-def padding_mask(tokens: Int[Tensor, "batch k_pos"], pad_id: int) -> Bool[Tensor, "batch 1 1 k_pos"]:
+def padding_mask(
+    tokens: Int[Tensor, "batch k_pos"], pad_id: int
+) -> Bool[Tensor, "batch 1 1 k_pos"]:
     """True where a key is a real token, False where it is padding.
 
     Shaped `(batch, 1, 1, k_pos)` so it broadcasts over heads and *queries*: padding is a
     property of keys. (Padded query rows still produce outputs; the loss ignores them.)
+
+    Course: chapter 3, exercise 3.2, checked by checks.masking.check_padding_mask.
     """
-    if not isinstance(tokens, Tensor) or tokens.ndim != 2:
-        shape = tuple(tokens.shape) if isinstance(tokens, Tensor) else type(tokens).__name__
-        raise ValueError(f"tokens: expected an integer tensor of shape (batch, k_pos), got {shape}")
-    if tokens.is_floating_point() or tokens.is_complex() or tokens.dtype == torch.bool:
-        raise ValueError(f"tokens: expected an integer dtype, got {tokens.dtype}")
-    if isinstance(pad_id, bool) or not isinstance(pad_id, int):
-        raise ValueError(f"pad_id: expected an int, got {pad_id!r}")
+    validate.integer_tensor("tokens", tokens, ("batch", "k_pos"))
+    validate.integer("pad_id", pad_id)
     return (tokens != pad_id)[:, None, None, :]
 
 
-def combine_masks(*masks: Bool[Tensor, "..."] | None) -> Bool[Tensor, "..."] | None:
+def combine_masks(*masks: Bool[Tensor, "*dims"] | None) -> Bool[Tensor, "*dims"] | None:
     """AND boolean masks together with broadcasting; `None` means "no restriction".
 
     `combine_masks(causal_mask(T), padding_mask(tokens, pad))` is `(batch, 1, T, T)`:
-    a query sees a key only if it is not in the future *and* not padding.
+    a query sees a key only if it is not in the future *and* not padding. Every mask must be
+    bool: a 0/1 float or int mask could mean either convention, so it is refused.
+
+    Course: chapter 3, exercise 3.3, checked by checks.masking.check_combine_masks.
     """
     combined = None
     for index, mask in enumerate(masks):
@@ -99,24 +108,32 @@ def combine_masks(*masks: Bool[Tensor, "..."] | None) -> Bool[Tensor, "..."] | N
     return combined
 
 
-def fill_masked(scores: Float[Tensor, "... q_pos k_pos"], mask: Bool[Tensor, "... q_pos k_pos"] | None) -> Float[Tensor, "... q_pos k_pos"]:
+def fill_masked(
+    scores: Float[Tensor, "... q_pos k_pos"], mask: Bool[Tensor, "... q_pos k_pos"] | None
+) -> Float[Tensor, "... q_pos k_pos"]:
     """Replace the scores of forbidden keys by the most negative finite value of the dtype.
 
     Not -inf: a row whose keys are *all* forbidden would then be softmax(-inf, ..., -inf) = NaN.
     A finite fill still gives those entries weight exp(min - max) = 0 in any row that has one
     allowed key.
+
+    Course: chapter 3.
     """
     if mask is None:
         return scores
     return scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
 
 
-def masked_softmax(scores: Float[Tensor, "... q_pos k_pos"], mask: Bool[Tensor, "... q_pos k_pos"] | None = None) -> Float[Tensor, "... q_pos k_pos"]:
+def masked_softmax(
+    scores: Float[Tensor, "... q_pos k_pos"], mask: Bool[Tensor, "... q_pos k_pos"] | None = None
+) -> Float[Tensor, "... q_pos k_pos"]:
     """Softmax over keys (the last dim) that ignores forbidden keys and never returns NaN.
 
     A query row with no allowed key gets an all-zero pattern (and so a zero output and zero
     gradients), which is also what `torch.nn.functional.scaled_dot_product_attention` returns.
     float16 and bfloat16 scores are handled in float32; the pattern has the scores' dtype.
+
+    Course: chapter 3, exercise 3.4, checked by checks.masking.check_masked_softmax.
     """
     if mask is None:
         return upcast(scores).softmax(dim=-1).to(scores.dtype)

@@ -106,6 +106,64 @@ def last_dim(x: Any, d_model: int, name: str = "x") -> Tensor:
     return x
 
 
+def integer_tensor(name: str, t: Any, dims: tuple[str, ...]) -> Tensor:
+    """An integer (not bool) tensor with one dimension per name in `dims`, e.g. token ids."""
+    if not isinstance(t, Tensor) or t.ndim != len(dims):
+        got = tuple(t.shape) if isinstance(t, Tensor) else type(t).__name__
+        raise ValueError(
+            f"{name}: expected an integer tensor of shape ({', '.join(dims)}), got {got}"
+        )
+    if t.is_floating_point() or t.is_complex() or t.dtype == torch.bool:
+        raise ValueError(f"{name}: expected an integer dtype, got {t.dtype}")
+    return t
+
+
+def attention_inputs(q: Any, k: Any, v: Any, mask: Any = None) -> None:
+    """Queries `(..., q_pos, d_head)`, keys `(..., k_pos, d_head)` and values `(..., k_pos, d_v)`
+    of one floating dtype whose batch dims broadcast, and a bool mask (or None) that broadcasts
+    to the scores `(..., q_pos, k_pos)`."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, Tensor) or t.ndim < 2 or not t.is_floating_point():
+            got = type(t).__name__
+            if isinstance(t, Tensor):
+                got = f"{t.dtype} tensor of shape {tuple(t.shape)}"
+            raise ValueError(
+                f"{name}: expected a floating-point tensor of shape (..., pos, d), got {got}"
+            )
+        if t.dtype != q.dtype:
+            raise ValueError(f"{name}: expected dtype {q.dtype} (the dtype of q), got {t.dtype}")
+    if k.shape[-1] != q.shape[-1]:
+        raise ValueError(
+            f"k: expected last dim d_head={q.shape[-1]} (the last dim of q), "
+            f"got {k.shape[-1]} (shape {tuple(k.shape)})"
+        )
+    if v.shape[-2] != k.shape[-2]:
+        raise ValueError(
+            f"v: expected k_pos={k.shape[-2]} positions (dim -2 of k), "
+            f"got {v.shape[-2]} (shape {tuple(v.shape)})"
+        )
+    try:
+        batch = torch.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2])
+    except RuntimeError:
+        raise ValueError(
+            "k, v: batch dims must broadcast with q's; "
+            f"got q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}"
+        ) from None
+    if mask is None:
+        return
+    bool_mask(mask)
+    scores_shape = (*batch, q.shape[-2], k.shape[-2])
+    try:
+        fits = torch.broadcast_shapes(mask.shape, scores_shape) == torch.Size(scores_shape)
+    except RuntimeError:
+        fits = False
+    if not fits:
+        raise ValueError(
+            f"mask: expected a shape broadcastable to the scores' {scores_shape} "
+            f"(..., q_pos, k_pos), got {tuple(mask.shape)}"
+        )
+
+
 def norm_args(d_model: Any, eps: Any) -> None:
     """A norm's constructor arguments: an int `d_model` >= 1, an `eps` > 0.
 
