@@ -20,15 +20,6 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from torch import nn
-from torch.nn.attention import SDPBackend, sdpa_kernel
-
-from transformer_course.attention import MultiHeadAttention, scaled_dot_product_attention, set_fast_path
-from transformer_course.encoder_decoder import EncoderDecoderTransformer
-from transformer_course.gpt2 import GPT2, GPT2Config, lm_loss
-from transformer_course.layernorm import LayerNorm, RMSNorm
-from transformer_course.masking import causal_mask, combine_masks, padding_mask
-from transformer_course.training import CHECKPOINT_NAME, TrainConfig, read_checkpoint, train
 
 # Helpers shared with the CPU-only reference tests (pytest puts tests/ on sys.path).
 from test_encoder_decoder import (
@@ -39,6 +30,19 @@ from test_encoder_decoder import (
     small_config,
 )
 from test_gpt2 import TINY, hf_model
+from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from transformer_course.attention import (
+    MultiHeadAttention,
+    scaled_dot_product_attention,
+    set_fast_path,
+)
+from transformer_course.encoder_decoder import EncoderDecoderTransformer
+from transformer_course.gpt2 import GPT2, GPT2Config, lm_loss
+from transformer_course.layernorm import LayerNorm, RMSNorm
+from transformer_course.masking import causal_mask, combine_masks, padding_mask
+from transformer_course.training import CHECKPOINT_NAME, TrainConfig, read_checkpoint, train
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device on this machine")
@@ -109,8 +113,10 @@ def test_norms_match_torch(device, precision):
 
 def reference_self_attention(mha: MultiHeadAttention, x: torch.Tensor, mask: torch.Tensor):
     """Multi-head attention written with torch's SDPA and plain matmuls, on the CPU in float32."""
-    q, k, v = ((x @ W.transpose(0, 1).flatten(1)).unflatten(-1, W.shape[::2]) + b for W, b in (
-        (mha.W_Q, mha.b_Q), (mha.W_K, mha.b_K), (mha.W_V, mha.b_V)))
+    q, k, v = (
+        (x @ W.transpose(0, 1).flatten(1)).unflatten(-1, W.shape[::2]) + b
+        for W, b in ((mha.W_Q, mha.b_Q), (mha.W_K, mha.b_K), (mha.W_V, mha.b_V))
+    )
     z = F.scaled_dot_product_attention(*(t.transpose(1, 2) for t in (q, k, v)), attn_mask=mask)
     return z.transpose(1, 2).flatten(2) @ mha.W_O.flatten(0, 1) + mha.b_O
 
@@ -224,8 +230,14 @@ def test_a_non_finite_step_is_not_taken_on_the_device(device, fused, tmp_path):
         return x * (math.nan if step == 4 else 1.0)
 
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=fused)
-    cfg = TrainConfig(max_steps=8, lr=1e-2, log_every=6, checkpoint_every=2,
-                      checkpoint_dir=tmp_path, progress=False)
+    cfg = TrainConfig(
+        max_steps=8,
+        lr=1e-2,
+        log_every=6,
+        checkpoint_every=2,
+        checkpoint_dir=tmp_path,
+        progress=False,
+    )
     with pytest.raises(FloatingPointError, match="step 4"):
         train(model, cfg, get_batch, lambda m, b: m(b).square().mean(), optimizer=optimizer)
     assert all(p.isfinite().all() for p in model.parameters())  # NaN step skipped, the next taken

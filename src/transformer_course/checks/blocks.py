@@ -177,8 +177,8 @@ def _noisy_block(norm: str) -> TransformerBlock:
 
 
 def check_transformer_block(cls: type) -> None:
-    """`TransformerBlock(d_model, n_heads, d_head, d_mlp, *, layer_norm_eps, norm, act_fn, dropout)`:
-    causal self-attention and an MLP on the residual stream, pre-LN or post-LN."""
+    """`TransformerBlock(d_model, n_heads, d_head, d_mlp, *, norm, dropout, ...)`: causal
+    self-attention and an MLP on the residual stream, pre-LN or post-LN."""
     name = "TransformerBlock"
     x = torch.randn(2, 5, 16, generator=torch.Generator().manual_seed(4), dtype=torch.float64)
     padding = padding_mask(torch.tensor([[1, 2, 3, 4, 5], [1, 2, 3, 0, 0]]), 0)
