@@ -1,19 +1,30 @@
-"""The Chapter 1 checkers: the reference passes, blanks fail, and the classic bugs get targeted hints."""
+"""The Chapter 1 checkers: the reference passes, blanks fail, classic bugs get targeted hints."""
 
 from __future__ import annotations
 
 import pytest
+import regex
 
 from transformer_course import tokenization
 from transformer_course.checks import CheckFailure
-from transformer_course.tokenization import BPETokenizer, encode_chunk, split_chunks
 from transformer_course.checks.tokenization import (
+    BPE_TRAINING,
+    _rank_order_samples,
     check_bpe_encode,
+    check_char_tokenizer,
     check_decode_ids,
     check_encode_chunk,
     check_get_pair_counts,
     check_merge_pair,
     check_train_merges,
+)
+from transformer_course.tokenization import (
+    GPT2_SPLIT_PATTERN,
+    BPETokenizer,
+    CharTokenizer,
+    Tokenizer,
+    encode_chunk,
+    split_chunks,
 )
 
 CHECKS = {
@@ -122,16 +133,24 @@ def test_train_merges_naive_but_correct_passes() -> None:
 
 
 def test_train_merges_overlapping_merge_is_caught() -> None:
-    fails_with(check_train_merges, lambda c, n: naive_train(c, n, merge=merge_overlapping), "overlapping")
+    fails_with(
+        check_train_merges, lambda c, n: naive_train(c, n, merge=merge_overlapping), "overlapping"
+    )
 
 
 def test_train_merges_ignoring_chunk_counts_is_caught() -> None:
-    fails_with(check_train_merges, lambda c, n: naive_train(c, n, weighted=False), "how often the chunk occurs")
+    fails_with(
+        check_train_merges,
+        lambda c, n: naive_train(c, n, weighted=False),
+        "how often the chunk occurs",
+    )
 
 
 def test_train_merges_ids_not_from_256_is_caught() -> None:
     def from_zero(chunk_counts, num_merges):
-        return {pair: i - 256 for pair, i in tokenization.train_merges(chunk_counts, num_merges).items()}
+        return {
+            pair: i - 256 for pair, i in tokenization.train_merges(chunk_counts, num_merges).items()
+        }
 
     fails_with(check_train_merges, from_zero, "256")
 
@@ -196,13 +215,37 @@ def _bpe_with(encode):
     return type("LearnerBPE", (BPETokenizer,), {"encode": encode})
 
 
-def _chunk_ids(self, chunk):
-    return encode_chunk([self.byte_ids[b] for b in chunk.encode("utf-8")], self.merges, self.ranks)
+def _byte_ids(self, chunk: str) -> list[int]:
+    return [self.byte_ids[b] for b in chunk.encode("utf-8")]
+
+
+def _chunk_ids(self, chunk: str) -> list[int]:
+    return encode_chunk(_byte_ids(self, chunk), self.merges, self.ranks)
+
+
+def _pieces(self, text: str) -> list[str]:
+    """Special tokens cut out: text at the even positions, special tokens at the odd ones."""
+    return self._special_split.split(text) if self._special_split else [text]
+
+
+def _encode_with(self, text: str, encode_piece) -> list[int]:
+    ids = []
+    for k, piece in enumerate(_pieces(self, text)):
+        ids += [self.special_tokens[piece]] if k % 2 else encode_piece(self, piece)
+    return ids
 
 
 def test_bpe_encode_reference_passes(capsys):
     check_bpe_encode(BPETokenizer)
     assert "passes every check" in capsys.readouterr().out
+
+
+def test_bpe_encode_blank_fails_naming_the_exercise():
+    def blank(self, text):
+        raise NotImplementedError("Exercise 1.7: write BPETokenizer.encode")
+
+    with pytest.raises(CheckFailure, match="not implemented yet.*Exercise 1.7"):
+        check_bpe_encode(_bpe_with(blank))
 
 
 def test_bpe_encode_that_ignores_special_tokens_is_caught():
@@ -215,9 +258,154 @@ def test_bpe_encode_that_ignores_special_tokens_is_caught():
 
 def test_bpe_encode_that_merges_across_the_pre_split_is_caught():
     def no_pre_split(self, text):
-        pieces = self._special_split.split(text)
-        return [i for k, piece in enumerate(pieces)
-                for i in ([self.special_tokens[piece]] if k % 2 else _chunk_ids(self, piece) if piece else [])]
+        return _encode_with(
+            self, text, lambda self, piece: _chunk_ids(self, piece) if piece else []
+        )
 
-    with pytest.raises(CheckFailure, match="must not cross the pre-split"):
+    with pytest.raises(CheckFailure, match="crosses the pre-split"):
         check_bpe_encode(_bpe_with(no_pre_split))
+
+
+def _merged_in_text_order(self, chunk: str) -> list[int]:
+    """The bug: merge the first mergeable pair of the text, not the pair learned first."""
+    ids = _byte_ids(self, chunk)
+    while pairs := [p for p in zip(ids, ids[1:]) if p in self.merges]:
+        ids = tokenization.merge_pair(ids, pairs[0], self.merges[pairs[0]])
+    return ids
+
+
+def test_bpe_encode_with_merges_in_text_order_is_caught():
+    def text_order(self, text):
+        return _encode_with(
+            self,
+            text,
+            lambda self, piece: [
+                i
+                for chunk in split_chunks(piece, self._split)
+                for i in _merged_in_text_order(self, chunk)
+            ],
+        )
+
+    with pytest.raises(CheckFailure, match="lowest rank"):
+        check_bpe_encode(_bpe_with(text_order))
+
+
+def test_bpe_encode_that_drops_special_tokens_is_caught():
+    def skips_specials(self, text):
+        return [
+            i
+            for piece in _pieces(self, text)[::2]
+            for i in self._encode_chunks(split_chunks(piece, self._split))
+        ]
+
+    with pytest.raises(CheckFailure, match="every character must be encoded once"):
+        check_bpe_encode(_bpe_with(skips_specials))
+
+
+def test_rank_order_samples_tell_the_orders_apart():
+    """The checker's extra samples are where merging in text order gives other ids."""
+    for pattern in (GPT2_SPLIT_PATTERN, None):
+        reference = BPETokenizer.train(BPE_TRAINING * 20, 300, pattern=pattern)
+        samples = _rank_order_samples(reference)
+        assert samples
+        for sample in samples:
+            assert reference.encode(sample) != _merged_in_text_order(reference, sample)
+
+
+def test_bpe_encode_valid_alternatives_pass():
+    def by_hand(self, text):
+        """Finds special tokens with str.find (longest first), splits with regex.findall, and
+        replays the merges in training order over each chunk (minbpe's other loop)."""
+        ids, start = [], 0
+        specials = sorted(self.special_tokens, key=len, reverse=True)
+        while start <= len(text):
+            found = [(text.find(s, start), -len(s), s) for s in specials if s in text[start:]]
+            at, _, special = min(found) if found else (len(text), 0, None)
+            piece = text[start:at]
+            chunks = regex.findall(self.pattern, piece) if self.pattern else [piece] * bool(piece)
+            for chunk in chunks:
+                chunk_ids = _byte_ids(self, chunk)
+                for pair, new_id in self.merges.items():
+                    chunk_ids = tokenization.merge_pair(chunk_ids, pair, new_id)
+                ids += chunk_ids
+            if special is None:
+                return ids
+            ids.append(self.special_tokens[special])
+            start = at + len(special)
+        return ids
+
+    def without_cache(self, text):
+        return _encode_with(
+            self,
+            text,
+            lambda self, piece: [
+                i for chunk in split_chunks(piece, self._split) for i in _chunk_ids(self, chunk)
+            ],
+        )
+
+    check_bpe_encode(_bpe_with(by_hand))
+    check_bpe_encode(_bpe_with(without_cache))
+
+
+# ---- CharTokenizer -----------------------------------------------------------------------------
+
+
+def _char_tokenizer(order=sorted, first_id=0, decode_join=True, on_unknown="raise"):
+    """A CharTokenizer written with one of the classic mistakes (or none)."""
+
+    class LearnerChars(Tokenizer):
+        def __init__(self, text):
+            self.vocab = {first_id + i: c for i, c in enumerate(order(set(text)))}
+            self.ids = {c: i for i, c in self.vocab.items()}
+
+        def encode(self, text):
+            if on_unknown == "skip":
+                return [self.ids[c] for c in text if c in self.ids]
+            return [self.ids[c] for c in text]
+
+        def decode(self, ids):
+            chars = [self.vocab[i] for i in ids]
+            return "".join(chars) if decode_join else chars
+
+    return LearnerChars
+
+
+def test_char_tokenizer_reference_and_a_written_variant_pass(capsys):
+    class WithIndex(Tokenizer):
+        def __init__(self, text):
+            self.chars = sorted(set(text))
+            self.vocab = dict(enumerate(self.chars))
+
+        def encode(self, text):
+            return [self.chars.index(c) for c in text]  # ValueError for unknown characters
+
+        def decode(self, ids):
+            return "".join(self.chars[i] for i in ids)
+
+    check_char_tokenizer(CharTokenizer)
+    check_char_tokenizer(WithIndex)
+    check_char_tokenizer(_char_tokenizer())
+    assert capsys.readouterr().out.count("passes every check") == 3
+
+
+def test_char_tokenizer_blank_fails_naming_the_exercise():
+    class Blank(Tokenizer):
+        def __init__(self, text):
+            raise NotImplementedError("Exercise 1.1: write CharTokenizer")
+
+    with pytest.raises(CheckFailure, match="not implemented yet.*Exercise 1.1"):
+        check_char_tokenizer(Blank)
+
+
+@pytest.mark.parametrize(
+    ("mistake", "hint"),
+    [
+        ({"order": lambda chars: sorted(chars, reverse=True)}, "sort the characters"),
+        ({"order": list}, "sort the characters"),
+        ({"first_id": 1}, "ids start at 0"),
+        ({"decode_join": False}, "join the characters"),
+        ({"on_unknown": "skip"}, "raise, don't skip"),
+    ],
+)
+def test_char_tokenizer_mistakes_are_caught(mistake, hint):
+    fails_with(check_char_tokenizer, _char_tokenizer(**mistake), hint)

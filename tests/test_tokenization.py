@@ -1,4 +1,4 @@
-"""Tokenizers: hand-worked examples, a naive reference trainer, and exact agreement with Hugging Face.
+"""Tokenizers: hand-worked examples, a naive reference trainer, exact agreement with Hugging Face.
 
 Tolerance: token ids are integers, so every comparison with a reference is exact equality.
 """
@@ -17,17 +17,21 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
+from transformer_course import tokenization
 from transformer_course.data import load_text
 from transformer_course.tokenization import (
     GPT2_SPLIT_PATTERN,
+    SHORT_CHUNK,
     BPETokenizer,
     CharTokenizer,
-    bytes_to_unicode,
     encode_chunk,
+    encode_long_chunk,
     get_pair_counts,
     merge_pair,
+    split_chunks,
     train_merges,
 )
+from transformer_course.tokenizer_files import bytes_to_unicode
 
 EOT = "<|endoftext|>"
 
@@ -59,7 +63,9 @@ def hf_regex(shakespeare: str) -> tokenizers.Tokenizer:
 
 @pytest.fixture(scope="module")
 def small_bpe(shakespeare: str) -> BPETokenizer:
-    return BPETokenizer.train(shakespeare[:20_000], 400, pattern=GPT2_SPLIT_PATTERN, special_tokens=[EOT])
+    return BPETokenizer.train(
+        shakespeare[:20_000], 400, pattern=GPT2_SPLIT_PATTERN, special_tokens=[EOT]
+    )
 
 
 # --- hand-worked examples -------------------------------------------------------------------
@@ -80,7 +86,8 @@ def test_merge_pair_never_overlaps() -> None:
 def test_worked_example_aaabdaaabac() -> None:
     # Wikipedia's BPE example, by hand (a=97, b=98, c=99, d=100):
     # 1. (a, a) occurs 4 times -> 256 ("ZabdZabac")
-    # 2. (256, a) and (a, b) both occur twice; ties go to the smaller pair, (97, 98) -> 257 ("ZYdZYac")
+    # 2. (256, a) and (a, b) both occur twice; ties go to the smaller pair,
+    #    (97, 98) -> 257 ("ZYdZYac")
     # 3. (256, 257) occurs twice -> 258 ("XdXac")
     tokenizer = BPETokenizer.train("aaabdaaabac", 259)
     assert tokenizer.encode("aaabdaaabac") == [258, 100, 258, 97, 99]
@@ -113,7 +120,9 @@ def test_byte_alphabet_matches_gpt2() -> None:
 # --- the incremental trainer against a naive one ---------------------------------------------
 
 
-def naive_train_merges(chunk_counts: dict[bytes, int], num_merges: int) -> dict[tuple[int, int], int]:
+def naive_train_merges(
+    chunk_counts: dict[bytes, int], num_merges: int
+) -> dict[tuple[int, int], int]:
     """Recount every pair of every chunk after every merge (slow and obviously right)."""
     chunks = {tuple(chunk): count for chunk, count in chunk_counts.items()}
     merges = {}
@@ -151,6 +160,41 @@ def test_incremental_training_matches_naive_recount(shakespeare: str) -> None:
     assert train_merges(chunks, 150) == naive_train_merges(chunks, 150)
 
 
+def _merge_table(data: st.DataObject, alphabet: int, n_merges: int, shuffled: bool) -> dict:
+    """A random merge table over `alphabet` bytes; each merge joins two earlier tokens, unless
+    `shuffled` reorders the merges (ranks that disagree with the order tokens were made)."""
+    tokens, merges = list(range(97, 97 + alphabet)), {}
+    for _ in range(n_merges):
+        pair = (data.draw(st.sampled_from(tokens)), data.draw(st.sampled_from(tokens)))
+        if pair not in merges:
+            merges[pair] = 256 + len(merges)
+            tokens.append(merges[pair])
+    items = list(merges.items())
+    return dict(data.draw(st.permutations(items))) if shuffled else merges
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    data=st.data(), alphabet=st.integers(1, 4), n_merges=st.integers(0, 12), shuffled=st.booleans()
+)
+def test_encode_chunk_and_encode_long_chunk_agree(data, alphabet, n_merges, shuffled) -> None:
+    """The scan and the heap apply the same merges: lowest rank first, leftmost on a tie."""
+    merges = _merge_table(data, alphabet, n_merges, shuffled)
+    ranks = {pair: rank for rank, pair in enumerate(merges)}
+    ids = data.draw(st.lists(st.integers(97, 96 + alphabet), max_size=80))
+    assert encode_chunk(ids, merges, ranks) == encode_long_chunk(ids, merges, ranks)
+
+
+def test_long_chunks_encode_as_short_ones(shakespeare: str, small_bpe: BPETokenizer) -> None:
+    text = shakespeare[:3000]  # without a pre-split, one chunk far longer than SHORT_CHUNK
+    ids = [small_bpe.byte_ids[b] for b in text.encode()]
+    assert len(ids) > SHORT_CHUNK
+    reference = encode_chunk(ids, small_bpe.merges, small_bpe.ranks)
+    assert encode_long_chunk(ids, small_bpe.merges, small_bpe.ranks) == reference
+    unsplit = BPETokenizer(small_bpe.vocab, small_bpe.merges)
+    assert unsplit.encode(text) == reference
+
+
 def test_encode_chunk_applies_merges_in_rank_order() -> None:
     # Merges learned in this order: (b, c) first, then (a, b). "abc" must become a + bc, because
     # (b, c) has the lower rank even though (a, b) comes first in the text.
@@ -164,7 +208,9 @@ def test_encode_chunk_applies_merges_in_rank_order() -> None:
 # --- agreement with Hugging Face `tokenizers` and `transformers` -----------------------------
 
 
-def test_from_huggingface_matches_with_regex_split(shakespeare: str, hf_regex: tokenizers.Tokenizer) -> None:
+def test_from_huggingface_matches_with_regex_split(
+    shakespeare: str, hf_regex: tokenizers.Tokenizer
+) -> None:
     ours = BPETokenizer.from_huggingface(hf_regex)
     assert ours.vocab_size == hf_regex.get_vocab_size()
     assert ours.encode(shakespeare) == hf_regex.encode(shakespeare).ids
@@ -186,7 +232,9 @@ def test_from_huggingface_matches_without_regex_split(shakespeare: str) -> None:
     assert ours.encode(passage) == hf.encode(passage).ids
 
 
-def test_from_gpt2_files_matches_transformers(shakespeare: str, hf_regex: tokenizers.Tokenizer, tmp_path) -> None:
+def test_from_gpt2_files_matches_transformers(
+    shakespeare: str, hf_regex: tokenizers.Tokenizer, tmp_path
+) -> None:
     from transformers import GPT2Tokenizer
 
     hf_regex.model.save(str(tmp_path))  # writes vocab.json and merges.txt in GPT-2's format
@@ -258,20 +306,28 @@ def test_train_rejects_small_vocab(vocab_size, special_tokens, expected: str) ->
 
 def test_decode_rejects_unknown_ids(small_bpe: BPETokenizer) -> None:
     for bad in (small_bpe.vocab_size, -1, 1.5):
-        with pytest.raises(ValueError, match=r"ids: expected token ids in the vocabulary .* at position 1"):
+        with pytest.raises(
+            ValueError, match=r"ids: expected token ids in the vocabulary .* at position 1"
+        ):
             small_bpe.decode([0, bad])
     with pytest.raises(TypeError, match="ids: expected a sequence of ints, got str"):
         small_bpe.decode("abc")
 
 
 def test_non_string_text_is_rejected(small_bpe: BPETokenizer) -> None:
-    for call in (small_bpe.encode, CharTokenizer("ab").encode, lambda t: BPETokenizer.train(t, 300)):
+    for call in (
+        small_bpe.encode,
+        CharTokenizer("ab").encode,
+        lambda t: BPETokenizer.train(t, 300),
+    ):
         with pytest.raises(TypeError, match="text: expected a str, got bytes"):
             call(b"hello")
 
 
 def test_lone_surrogate_is_rejected(small_bpe: BPETokenizer) -> None:
-    with pytest.raises(ValueError, match=r"text: expected a string UTF-8 can encode.*'\\ud800' at index 2"):
+    with pytest.raises(
+        ValueError, match=r"text: expected a string UTF-8 can encode.*'\\ud800' at index 2"
+    ):
         small_bpe.encode("ab\ud800c")
 
 
@@ -312,46 +368,53 @@ def _hello_becomes_allo(state: dict) -> None:
 CORRUPTIONS = {  # name: (how the saved state is corrupted, what the error says)
     "unknown version": (lambda st: st.update(version=2), "field 'version': expected 1 .* got 2"),
     "version as string": (
-        lambda st: st.update(version="1"), "field 'version': expected the version 1, got str"
+        lambda st: st.update(version="1"),
+        "field 'version': expected the version 1, got str",
     ),
     "missing merges": (lambda st: st.pop("merges"), "field 'merges': missing"),
     "vocab as list": (
-        lambda st: st.update(vocab=list(st["vocab"].values())), "field 'vocab': expected an object"
+        lambda st: st.update(vocab=list(st["vocab"].values())),
+        "field 'vocab': expected an object",
     ),
     "vocab not hex": (
         lambda st: st["vocab"].update({"5": "zz"}),
         r"field 'vocab': expected a decimal id .* '5': 'zz'",
     ),
     "vocab id not decimal": (
-        lambda st: st["vocab"].update({"0x5": "61"}), r"field 'vocab': .* '0x5'"
+        lambda st: st["vocab"].update({"0x5": "61"}),
+        r"field 'vocab': .* '0x5'",
     ),
     "vocab id out of range": (
         lambda st: st["vocab"].update({"99999": "61"}),
         r"vocab: expected ids 0\.\.\d+ .* got id 99999",
     ),
     "merge id as string": (
-        lambda st: st["merges"][0].__setitem__(2, "256"), r"field 'merges': .* at index 0"
+        lambda st: st["merges"][0].__setitem__(2, "256"),
+        r"field 'merges': .* at index 0",
     ),
     "merge of a missing id": (
         lambda st: st["merges"][0].__setitem__(0, 99999),
         "merges: expected a pair of ids in the vocabulary",
     ),
     "merged bytes disagree": (
-        _hello_becomes_allo, "merges: merge .* disagrees with vocab: expected the bytes"
+        _hello_becomes_allo,
+        "merges: merge .* disagrees with vocab: expected the bytes",
     ),
     "special token id moved": (
         lambda st: st["special_tokens"].update({EOT: 5}),
         "special_tokens: .* has id 5, but vocab has",
     ),
     "special tokens as list": (
-        lambda st: st.update(special_tokens=[EOT]), "field 'special_tokens': expected an object"
+        lambda st: st.update(special_tokens=[EOT]),
+        "field 'special_tokens': expected an object",
     ),
     "pattern not a string": (
         lambda st: st.update(pattern=3),
         "field 'pattern': expected a regular expression or null, got int",
     ),
     "pattern not a regex": (
-        lambda st: st.update(pattern="(unclosed"), "pattern: expected a valid regular expression"
+        lambda st: st.update(pattern="(unclosed"),
+        "pattern: expected a valid regular expression",
     ),
 }
 
@@ -454,6 +517,53 @@ def test_round_trip_any_text_any_pattern(pattern: str, training: str, text: str)
     assert tokenizer.decode(tokenizer.encode(text + EOT + text)) == text + EOT + text
 
 
+def _chunks_by_finditer(text: str, pattern: str) -> list[str]:
+    """split_chunks written plainly: every match, and every stretch of text between matches."""
+    chunks, end = [], 0
+    for match in regex.finditer(pattern, text):
+        chunks += [text[end : match.start()], match.group()]
+        end = max(end, match.end())
+    return [chunk for chunk in [*chunks, text[end:]] if chunk]
+
+
+@settings(max_examples=200, deadline=None)
+@given(pattern=st.one_of(st.sampled_from(PATTERNS), literal_patterns), text=st.text(max_size=40))
+def test_split_chunks_keeps_every_character(pattern: str, text: str) -> None:
+    chunks = split_chunks(text, regex.compile(pattern))
+    assert "".join(chunks) == text and all(chunks)
+    assert chunks == _chunks_by_finditer(text, pattern)
+
+
+def test_cache_changes_no_ids(small_bpe: BPETokenizer, shakespeare: str, monkeypatch) -> None:
+    text = shakespeare[:20_000] + EOT
+    first = small_bpe.encode(text)
+    assert small_bpe.encode(text) == first  # now from the cache
+    monkeypatch.setattr(tokenization, "CACHE_SIZE", 0)
+    uncached = BPETokenizer(
+        small_bpe.vocab,
+        small_bpe.merges,
+        pattern=small_bpe.pattern,
+        special_tokens=small_bpe.special_tokens,
+    )
+    assert uncached.encode(text) == first
+    assert not uncached._cache
+
+
+def test_constructors_build_the_class_they_are_called_on(hf_regex, tmp_path) -> None:
+    class Subclass(BPETokenizer):
+        pass
+
+    trained = Subclass.train("hello hello", 260)
+    trained.save(tmp_path / "bpe.json")
+    built = [
+        trained,
+        Subclass.load(tmp_path / "bpe.json"),
+        Subclass.from_huggingface(hf_regex),
+        Subclass.from_gpt2_files(*_gpt2_files(hf_regex, tmp_path)),
+    ]
+    assert all(type(tokenizer) is Subclass for tokenizer in built)
+
+
 def test_pattern_that_matches_nothing_keeps_the_text() -> None:
     tokenizer = BPETokenizer.train("aaa bbb aaa", 260, pattern=r"a+")
     assert tokenizer.decode(tokenizer.encode("aaa bbb!")) == "aaa bbb!"
@@ -465,7 +575,7 @@ def test_bad_patterns_and_special_tokens_are_refused() -> None:
         BPETokenizer.train("hello", 260, pattern="(a")
     with pytest.raises(TypeError, match="pattern: expected a regular expression str .* got bytes"):
         BPETokenizer.train("hello", 260, pattern=rb"\w+")
-    expected = r"special_tokens: expected an iterable of strings such as \['<eos>'\], got '<eos>'"
+    expected = r"special_tokens: expected an iterable of strings, not one str, got '<eos>'"
     with pytest.raises(TypeError, match=expected):
         BPETokenizer.train("hello", 260, special_tokens="<eos>")
     with pytest.raises(TypeError, match="special_tokens: expected an iterable of strings"):

@@ -1,42 +1,89 @@
 # %% [markdown]
 # # Chapter 1 workbook: tokenization
 #
-# You will build byte-level byte pair encoding (BPE), the tokenizer of GPT-2, in five steps:
+# You will build two tokenizers: a warm-up with one token per character, then byte-level byte
+# pair encoding (BPE), the tokenizer of GPT-2, from its parts up to the whole encoder:
 #
-# 1. `get_pair_counts`: how often each pair of neighbouring ids occurs.
-# 2. `merge_pair`: replace every occurrence of one pair by a new id.
-# 3. `train_merges`: learn merges by repeatedly merging the most frequent pair.
-# 4. `encode_chunk`: apply learned merges to new text.
-# 5. `decode_ids`: turn ids back into text.
+# 1. `CharTokenizer`: one id per distinct character.
+# 2. `get_pair_counts`: how often each pair of neighbouring ids occurs.
+# 3. `merge_pair`: replace every occurrence of one pair by a new id.
+# 4. `train_merges`: learn merges by repeatedly merging the most frequent pair.
+# 5. `encode_chunk`: apply learned merges to new text.
+# 6. `decode_ids`: turn ids back into text.
+# 7. `BPETokenizer.encode`: the whole encoder, with special tokens and GPT-2's regex pre-split.
 #
 # Text starts as UTF-8 bytes, so ids 0..255 are the raw bytes and every merge creates the next
 # id from 256 on. Each check cell compares your code with the course's reference, and when
 # they differ it tells you which classic mistake your output matches. The chapter's book page
-# explains the why.
+# explains the why. At the end, your encoder reads GPT-2's real tokenizer files.
 
 # %% tags=nbval-ignore-output
+from __future__ import annotations
+
 import heapq
+import json
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
+from itertools import chain
+from pathlib import Path
+from typing import Any
 
 import regex
 
+from transformer_course import validate
 from transformer_course.checks.tokenization import (
+    check_bpe_encode,
+    check_char_tokenizer,
     check_decode_ids,
     check_encode_chunk,
     check_get_pair_counts,
     check_merge_pair,
     check_train_merges,
 )
-from transformer_course.data import load_text
+from transformer_course.data import fetch, load_gpt2_tokenizer, load_text
+from transformer_course.files import atomic_write
 from transformer_course.runtime import describe, pick, seed_everything
-from transformer_course.tokenization import GPT2_SPLIT_PATTERN, Pair
+from transformer_course.tokenization import (  # what BPETokenizer uses besides your functions
+    CACHE_SIZE,
+    FILE_FORMAT,
+    FILE_VERSION,
+    GPT2_SPLIT_PATTERN,
+    SHORT_CHUNK,
+    Tokenizer,
+    TokenPair,
+    _byte_ids,
+    _check_tables,
+    _read_json,
+    _special_pattern,
+    _tables_from_state,
+    encode_long_chunk,
+    split_chunks,
+)
 
 seed_everything(0)
 print(describe())
 
 # %% [markdown]
-# ## Exercise 1.1: `get_pair_counts`
+# ## Exercise 1.1: `CharTokenizer`
+#
+# The simplest tokenizer gives each distinct character of a training text its own id, as
+# nanoGPT does for Shakespeare. Number the characters in sorted order, so the same text always
+# gives the same ids. `self.vocab` maps each id to its character (the base class `Tokenizer`
+# counts it for `vocab_size`); `encode` turns a string into ids and `decode` ids into a string.
+
+# %% [exercise] transformer_course.tokenization:CharTokenizer blank=__init__,encode,decode difficulty=1 importance=3 minutes=10
+# hint: Two dicts do all the work: one from id to character (`self.vocab`) and one back.
+# hint: `set(text)` has no fixed order; sort it before numbering. A character the tokenizer never
+#   saw has no id: let the lookup fail rather than skip it.
+
+# %% [check]
+check_char_tokenizer(CharTokenizer)
+chars = CharTokenizer(load_text("tinyshakespeare"))
+ids = chars.encode("To be")
+print(f"{chars.vocab_size} characters; 'To be' -> {ids} -> {chars.decode(ids)!r}")
+
+# %% [markdown]
+# ## Exercise 1.2: `get_pair_counts`
 #
 # Count each pair of neighbours: `[1, 2, 3, 1, 2]` has `(1, 2)` twice and `(2, 3)`, `(3, 1)`
 # once. Training counts pairs over many chunks of text and a chunk that occurs 3 times counts
@@ -52,7 +99,7 @@ print(describe())
 check_get_pair_counts(get_pair_counts)
 
 # %% [markdown]
-# ## Exercise 1.2: `merge_pair`
+# ## Exercise 1.3: `merge_pair`
 #
 # Replace the pair by `new_id`, scanning left to right. Occurrences of a pair can overlap:
 # in `[a, a, a]` the pair `(a, a)` starts at 0 and at 1, but the middle `a` can only belong to
@@ -68,7 +115,7 @@ check_get_pair_counts(get_pair_counts)
 check_merge_pair(merge_pair)
 
 # %% [markdown]
-# ## Exercise 1.3: `train_merges`
+# ## Exercise 1.4: `train_merges`
 #
 # The input is every distinct chunk of training text (as bytes) with how often it occurs; the
 # output is `{pair: new_id}` in the order the merges were learned. The simplest correct loop:
@@ -96,13 +143,13 @@ merges = train_merges({b"aaabdaaabac": 1}, 3)
 print(merges)
 
 # %% [markdown]
-# ## Exercise 1.4: `encode_chunk`
+# ## Exercise 1.5: `encode_chunk`
 #
 # New text is encoded by replaying the merges. Not in the order the pairs appear in the text,
 # but in the order they were learned: `ranks[pair]` is that position (0 for the first merge)
 # and `merges[pair]` the id it creates. Repeatedly merge the lowest-ranked pair present until
-# no pair of the chunk has a rank. (The reference uses a heap of positions so very long chunks
-# stay fast; a loop over `min(zip(ids, ids[1:]), key=...)` with your `merge_pair` is fine.)
+# no pair of the chunk has a rank. (A loop over `min(zip(ids, ids[1:]), key=...)` with your
+# `merge_pair` is fine; the reference updates only the two pairs beside each merge.)
 
 # %% [exercise] transformer_course.tokenization:encode_chunk difficulty=3 importance=5 minutes=20
 # hint: The order that matters is the order merges were learned (`ranks`), not the order of pairs in
@@ -114,7 +161,7 @@ print(merges)
 check_encode_chunk(encode_chunk)
 
 # %% [markdown]
-# ## Exercise 1.5: `decode_ids`
+# ## Exercise 1.6: `decode_ids`
 #
 # `vocab[i]` is the bytes of token `i`. A character's bytes can be split across tokens ("é" is
 # the two bytes `C3 A9`, which may land in two tokens), so join all the bytes first and decode
@@ -130,31 +177,62 @@ check_encode_chunk(encode_chunk)
 check_decode_ids(decode_ids)
 
 # %% [markdown]
+# ## Exercise 1.7: `BPETokenizer.encode`
+#
+# Your functions become a tokenizer. `BPETokenizer` holds the tables (`vocab`, `merges`,
+# `ranks`, `special_tokens`) and turns text into ids in three stages:
+#
+# 1. **Special tokens** such as `<|endoftext|>` are not text: cut them out first, and each
+#    becomes its own id. `self._special_split` (or `None` without special tokens) is a compiled
+#    regex with one capturing group, so its `split` keeps the special tokens in the result.
+# 2. **The pre-split**: the text between special tokens is cut into chunks with the pattern
+#    (`self._split`, GPT-2's regex or `None`); `split_chunks` does it and keeps any text the
+#    pattern does not match. Merges never cross a chunk.
+# 3. **Merges**: each chunk's UTF-8 bytes become byte ids (`self.byte_ids[b]`), merged by your
+#    `encode_chunk`. The method `_encode_chunks` does this for a list of chunks, encoding each
+#    distinct chunk once.
+#
+# The rest of the class (training, saving, loading, GPT-2's files) is given.
+
+# %% [exercise] transformer_course.tokenization:BPETokenizer blank=encode difficulty=3 importance=5 minutes=20
+# hint: The order of the three stages matters: a special token cut into chunks first would be
+#   merged like any text. What does `regex.split` return when its pattern has a capturing group?
+# hint: In the list that `self._special_split.split(text)` returns, the special tokens are at the
+#   odd positions and the text between them at the even ones (possibly empty strings).
+# hint: Never let a merge join two chunks: cut each piece of text with `split_chunks` and the
+#   pattern, and encode its chunks apart (`_encode_chunks` takes a list of chunks).
+
+# %% [check]
+check_bpe_encode(BPETokenizer)
+
+# %% [markdown]
 # ## Putting it together
 #
-# Your five functions make a tokenizer. Split Tiny Shakespeare with GPT-2's pattern, learn
-# merges, encode, decode, and measure the compression in bytes per token.
+# Train your tokenizer on Tiny Shakespeare with GPT-2's pattern and a special token, and measure
+# the compression in bytes per token. Then load GPT-2's real tokenizer files into *your* class:
+# with your `encode_chunk` and your `encode`, it gives the same ids as the course's copy (which
+# the tests compare with OpenAI's tiktoken and Hugging Face on whole corpora).
 
 # %% [check]
 text = load_text("tinyshakespeare")[: pick(quick=200_000, full=1_000_000)]
-chunks = regex.findall(GPT2_SPLIT_PATTERN, text)
-merges = train_merges(Counter(chunk.encode("utf-8") for chunk in chunks), 500)
-ranks = {pair: rank for rank, pair in enumerate(merges)}
-vocab = {b: bytes([b]) for b in range(256)}
-for (left, right), new_id in merges.items():
-    vocab[new_id] = vocab[left] + vocab[right]
+ours = BPETokenizer.train(text, 756, pattern=GPT2_SPLIT_PATTERN, special_tokens=["<|endoftext|>"])
+ids = ours.encode(text + "<|endoftext|>")
+assert ours.decode(ids) == text + "<|endoftext|>"
+assert ids[-1] == ours.special_tokens["<|endoftext|>"]
+n_bytes = len(text.encode("utf-8"))
+print(f"{n_bytes:,} bytes -> {len(ids):,} tokens: {n_bytes / len(ids):.2f} bytes per token")
+print("longest tokens:", sorted((ours.vocab[i] for i in ours.merges.values()), key=len)[-5:])
 
-ids = [token for chunk in chunks for token in encode_chunk(list(chunk.encode("utf-8")), merges, ranks)]
-assert decode_ids(ids, vocab) == text
-print(f"{len(text.encode('utf-8')):,} bytes -> {len(ids):,} tokens: {len(text.encode('utf-8')) / len(ids):.2f} bytes per token")
-print("longest tokens:", sorted((vocab[i] for i in merges.values()), key=len)[-5:])
+gpt2 = BPETokenizer.from_gpt2_files(fetch("gpt2", "encoder.json"), fetch("gpt2", "vocab.bpe"))
+sample = "First Citizen: Before we proceed any further, hear me speak.<|endoftext|>"
+print([gpt2.decode([i]) for i in gpt2.encode(sample)])
+assert gpt2.encode(text[:20_000]) == load_gpt2_tokenizer().encode(text[:20_000])
+print("your encoder gives GPT-2's ids")
 
 # %% [markdown]
 # ## Going further
 #
-# - `transformer_course.tokenization.BPETokenizer` wraps these functions with special tokens,
-#   a per-chunk cache, save/load and GPT-2's file format. Train one with
-#   `BPETokenizer.train(text, 1000, pattern=GPT2_SPLIT_PATTERN)` and compare its ids with a
-#   Hugging Face `tokenizers` BPE copied by `BPETokenizer.from_huggingface`.
-# - Train without the pattern (`regex.findall` replaced by one chunk per line). Which merges
+# - Train without the pattern (`pattern=None`, the whole text one chunk per piece). Which merges
 #   appear that GPT-2's split forbids?
+# - Compare your tokenizer with a Hugging Face `tokenizers` BPE trained on the same text and
+#   copied by `BPETokenizer.from_huggingface`: the book page shows the ids agree.

@@ -8,55 +8,65 @@ Two tokenizers share one small interface (`encode`, `decode`, `vocab_size`):
   frequent neighbouring pairs into new tokens.
 
 The small functions the BPE tokenizer is built from (`get_pair_counts`, `merge_pair`,
-`train_merges`, `encode_chunk`, `decode_ids`) are the chapter's exercises.
+`train_merges`, `encode_chunk`, `decode_ids`) are the chapter's exercises. Reading GPT-2's and
+Hugging Face's tokenizer files is the job of `tokenizer_files`.
 """
 
 from __future__ import annotations
 
 import heapq
 import json
-import operator
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
+from itertools import chain
+from numbers import Integral
 from pathlib import Path
 from typing import Any
 
 import regex
 
+from transformer_course import validate
 from transformer_course.files import atomic_write
 
 __all__ = [
     "GPT2_SPLIT_PATTERN",
     "BPETokenizer",
     "CharTokenizer",
+    "TokenPair",
     "Tokenizer",
-    "bytes_to_unicode",
     "decode_ids",
     "encode_chunk",
+    "encode_long_chunk",
     "get_pair_counts",
     "merge_pair",
     "split_chunks",
     "train_merges",
 ]
 
-Pair = tuple[int, int]
+TokenPair = tuple[int, int]  # two neighbouring token ids
 
 # GPT-2's pre-split (Radford et al., 2019): contractions, letters, digits, other symbols and
 # whitespace become separate chunks, and merges never cross a chunk boundary.
-GPT2_SPLIT_PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
+GPT2_SPLIT_PATTERN = (
+    r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
+)
 
 FILE_FORMAT = "transformer_course.bpe"
 FILE_VERSION = 1
 CACHE_SIZE = 1_000_000  # chunks whose encoding a BPETokenizer remembers
+SHORT_CHUNK = 48  # up to this many bytes, encode_chunk's scan beats encode_long_chunk's heap
 
 
 # --- the building blocks (the workbook's exercises) -----------------------------------------
 
 
-def get_pair_counts(ids: Sequence[int], counts: dict[Pair, int] | None = None, weight: int = 1) -> dict[Pair, int]:
-    """Count each pair of neighbouring ids, adding `weight` per occurrence to `counts` (or a new dict).
+def get_pair_counts(
+    ids: Sequence[int], counts: dict[TokenPair, int] | None = None, weight: int = 1
+) -> dict[TokenPair, int]:
+    """Count each pair of neighbouring ids, adding `weight` per occurrence to `counts` (or a new
+    dict). `get_pair_counts([1, 2, 3, 1, 2]) == {(1, 2): 2, (2, 3): 1, (3, 1): 1}`
 
-    `get_pair_counts([1, 2, 3, 1, 2]) == {(1, 2): 2, (2, 3): 1, (3, 1): 1}`
+    Course: chapter 1, exercise 1.2, checked by checks.tokenization.check_get_pair_counts.
     """
     counts = {} if counts is None else counts
     for pair in zip(ids, ids[1:]):
@@ -64,10 +74,12 @@ def get_pair_counts(ids: Sequence[int], counts: dict[Pair, int] | None = None, w
     return counts
 
 
-def merge_pair(ids: Sequence[int], pair: Pair, new_id: int) -> list[int]:
+def merge_pair(ids: Sequence[int], pair: TokenPair, new_id: int) -> list[int]:
     """Replace every occurrence of `pair` in `ids` by `new_id`, scanning left to right.
 
     Occurrences never overlap: `merge_pair([5, 5, 5], (5, 5), 9) == [9, 5]`.
+
+    Course: chapter 1, exercise 1.3, checked by checks.tokenization.check_merge_pair.
     """
     merged = []
     i = 0
@@ -81,7 +93,7 @@ def merge_pair(ids: Sequence[int], pair: Pair, new_id: int) -> list[int]:
     return merged
 
 
-def train_merges(chunk_counts: Mapping[bytes, int], num_merges: int) -> dict[Pair, int]:
+def train_merges(chunk_counts: Mapping[bytes, int], num_merges: int) -> dict[TokenPair, int]:
     """Learn `num_merges` merges from chunks of bytes and how often each chunk occurs.
 
     Each step merges the most frequent pair (ties go to the smallest pair) into the next new id,
@@ -90,11 +102,13 @@ def train_merges(chunk_counts: Mapping[bytes, int], num_merges: int) -> dict[Pai
     Rather than recounting the whole corpus after every merge, the pair counts are kept up to
     date: only the chunks that contain the merged pair are touched, and a heap finds the most
     frequent pair (entries whose count has since changed are skipped when popped).
+
+    Course: chapter 1, exercise 1.4, checked by checks.tokenization.check_train_merges.
     """
     chunks = [list(chunk) for chunk in chunk_counts]
     weights = list(chunk_counts.values())
-    counts: dict[Pair, int] = {}
-    where: dict[Pair, set[int]] = {}  # pair -> indices of the chunks that contain it
+    counts: dict[TokenPair, int] = {}
+    where: dict[TokenPair, set[int]] = {}  # pair -> indices of the chunks that contain it
     for index, (chunk, weight) in enumerate(zip(chunks, weights)):
         get_pair_counts(chunk, counts, weight)
         for pair in zip(chunk, chunk[1:]):
@@ -102,14 +116,14 @@ def train_merges(chunk_counts: Mapping[bytes, int], num_merges: int) -> dict[Pai
     heap = [(-count, pair) for pair, count in counts.items()]
     heapq.heapify(heap)
 
-    merges: dict[Pair, int] = {}
+    merges: dict[TokenPair, int] = {}
     while len(merges) < num_merges and heap:
         negative_count, pair = heapq.heappop(heap)
         if counts.get(pair, 0) != -negative_count or negative_count == 0:
             continue  # stale entry: this pair's count changed after it was pushed
         new_id = 256 + len(merges)
         merges[pair] = new_id
-        changes: dict[Pair, int] = {}
+        changes: dict[TokenPair, int] = {}
         for index in where.pop(pair):
             old, weight = chunks[index], weights[index]
             new = merge_pair(old, pair, new_id)
@@ -127,12 +141,41 @@ def train_merges(chunk_counts: Mapping[bytes, int], num_merges: int) -> dict[Pai
     return merges
 
 
-def encode_chunk(ids: Sequence[int], merges: Mapping[Pair, int], ranks: Mapping[Pair, int]) -> list[int]:
-    """Apply learned merges to one chunk: always the pair learned first (lowest rank), leftmost first.
+def encode_chunk(
+    ids: Sequence[int], merges: Mapping[TokenPair, int], ranks: Mapping[TokenPair, int]
+) -> list[int]:
+    """Apply learned merges to one chunk: always the pair learned first (lowest rank), leftmost
+    first, until no neighbouring pair was ever learned.
 
-    `merges[pair]` is the id a merge creates and `ranks[pair]` its position in training order.
-    A heap of candidate positions keeps this fast on long chunks; `tokens[i] is None` marks a
-    position merged into its left neighbour, and `after`/`before` link the live positions.
+    `merges[pair]` is the id a merge creates and `ranks[pair]` its position in training order
+    (0, 1, ...). `pair_ranks[i]` is the rank of the pair that starts at `i`, or `len(ranks)` for
+    a pair never learned, so the next merge is the first minimum: a scan fast on short chunks.
+
+    Course: chapter 1, exercise 1.5, checked by checks.tokenization.check_encode_chunk.
+    """
+    ids = list(ids)
+    never = len(ranks)
+    pair_ranks = [ranks.get(pair, never) for pair in zip(ids, ids[1:])]
+    while pair_ranks and (best := min(pair_ranks)) < never:
+        i = pair_ranks.index(best)
+        ids[i] = new = merges[ids[i], ids.pop(i + 1)]
+        del pair_ranks[i]  # only the pairs on either side of the new token change
+        if i > 0:
+            pair_ranks[i - 1] = ranks.get((ids[i - 1], new), never)
+        if i < len(pair_ranks):
+            pair_ranks[i] = ranks.get((new, ids[i + 1]), never)
+    return ids
+
+
+def encode_long_chunk(
+    ids: Sequence[int], merges: Mapping[TokenPair, int], ranks: Mapping[TokenPair, int]
+) -> list[int]:
+    """`encode_chunk` in O(n log n) time, for long chunks (a text without a pre-split is one).
+
+    A heap of candidate positions replaces the scan; `tokens[i] is None` marks a position
+    merged into its left neighbour, and `after`/`before` link the live positions.
+
+    Course: chapter 1.
     """
     tokens: list[int | None] = list(ids)
     n = len(tokens)
@@ -162,97 +205,27 @@ def decode_ids(ids: Iterable[int], vocab: Mapping[int, bytes]) -> str:
 
     A character's bytes may be split across tokens, so decoding token by token would break it.
     Byte sequences that are not valid UTF-8 (possible for arbitrary ids) become U+FFFD.
+
+    Course: chapter 1, exercise 1.6, checked by checks.tokenization.check_decode_ids.
     """
     return b"".join(vocab[i] for i in ids).decode("utf-8", errors="replace")
-
-
-def bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's map from each byte to a printable character, used in `vocab.json`/`merges.txt`.
-
-    Printable Latin-1 bytes stand for themselves; the others (control characters, space, ...)
-    are shifted to code points from 256 on, so every token is a visible string.
-    """
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    mapping = {b: chr(b) for b in printable}
-    shifted = 0
-    for b in range(256):
-        if b not in mapping:
-            mapping[b] = chr(256 + shifted)
-            shifted += 1
-    return mapping
-
-
-# --- tokenizers ------------------------------------------------------------------------------
-
-
-def _check_text(text: Any) -> None:
-    if not isinstance(text, str):
-        raise TypeError(f"text: expected a str, got {type(text).__name__}")
-
-
-def _check_utf8(text: Any) -> None:
-    """Raise a clear error unless `text` is a str that UTF-8 can encode (no lone surrogates)."""
-    _check_text(text)
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as exc:
-        raise ValueError(
-            f"text: expected a string UTF-8 can encode, got the lone surrogate {text[exc.start]!r} "
-            f"at index {exc.start}"
-        ) from None
-
-
-def _as_id(token: Any) -> int | None:
-    """`token` as an int if it is an integer of any kind (int, NumPy, 0-d tensor), else None.
-
-    Bools are refused: `True` is an int to Python, but never meant as token 1.
-    """
-    if isinstance(token, bool) or str(getattr(token, "dtype", "")) == "torch.bool":
-        return None
-    try:
-        return operator.index(token)
-    except TypeError:
-        return None
-
-
-def _check_ids(ids: Any, vocab: Mapping[int, Any]) -> list[int]:
-    if isinstance(ids, (str, bytes)) or not isinstance(ids, Iterable):
-        raise TypeError(f"ids: expected a sequence of ints, got {type(ids).__name__}")
-    checked = []
-    for position, token in enumerate(ids):
-        i = _as_id(token)
-        if i not in vocab:
-            raise ValueError(
-                f"ids: expected token ids in the vocabulary (0..{len(vocab) - 1}), "
-                f"got {token!r} at position {position}"
-            )
-        checked.append(i)
-    return checked
-
-
-def _compile_pattern(pattern: Any) -> regex.Pattern | None:
-    if pattern is None:
-        return None
-    if not isinstance(pattern, str):
-        raise TypeError(
-            f"pattern: expected a regular expression str or None, got {type(pattern).__name__}"
-        )
-    try:
-        return regex.compile(pattern)
-    except regex.error as exc:
-        raise ValueError(
-            f"pattern: expected a valid regular expression, got {pattern!r} ({exc})"
-        ) from None
 
 
 def split_chunks(text: str, split: regex.Pattern | None) -> list[str]:
     """Cut `text` into the chunks merges never cross: the pattern's matches *and* the text between.
 
     Keeping the unmatched text means no pattern can drop characters, so `decode(encode(s)) == s`
-    whatever the pattern (GPT-2's matches every character, so for it the two are the same).
+    whatever the pattern. When the matches already tile the text (GPT-2's pattern matches every
+    character), `findall` gives the chunks in one call.
+
+    Course: chapter 1.
     """
     if split is None:
         return [text] if text else []
+    if not split.groups:
+        chunks = split.findall(text)
+        if sum(map(len, chunks)) == len(text):  # ordered, non-overlapping: they tile the text
+            return [chunk for chunk in chunks if chunk] if "" in chunks else chunks
     chunks, end = [], 0
     for match in split.finditer(text):
         start, stop = match.span()
@@ -266,13 +239,20 @@ def split_chunks(text: str, split: regex.Pattern | None) -> list[str]:
     return chunks
 
 
+# --- checking what a tokenizer is built from ---------------------------------------------------
+
+
+def _is_id(value: Any) -> bool:
+    return isinstance(value, Integral) and not isinstance(value, bool)
+
+
 def _check_tables(
-    vocab: Mapping[int, bytes], merges: Mapping[Pair, int], special_tokens: Mapping[str, int]
+    vocab: Mapping[int, bytes], merges: Mapping[TokenPair, int], special_tokens: Mapping[str, int]
 ) -> None:
     """Raise a clear error unless ids are 0..len(vocab)-1 and merges and special tokens agree with
-    the vocabulary."""
+    the vocabulary: tables that disagree would encode or decode wrongly without an error."""
     for i, token in vocab.items():
-        if _as_id(i) is None or not 0 <= i < len(vocab):
+        if not _is_id(i) or not 0 <= i < len(vocab):
             raise ValueError(
                 f"vocab: expected ids 0..{len(vocab) - 1} (one per token), got id {i!r}"
             )
@@ -281,7 +261,7 @@ def _check_tables(
     created: set[int] = set()
     for rank, (pair, new_id) in enumerate(merges.items()):
         ids = (*pair, new_id) if isinstance(pair, tuple) and len(pair) == 2 else ()
-        if not ids or any(_as_id(j) is None or j not in vocab for j in ids):
+        if not ids or any(not _is_id(j) or j not in vocab for j in ids):
             raise ValueError(
                 "merges: expected a pair of ids in the vocabulary and a new id, "
                 f"got {pair} -> {new_id}"
@@ -297,7 +277,7 @@ def _check_tables(
             )
         created.add(new_id)
     for token, i in special_tokens.items():
-        if not isinstance(token, str) or not token or _as_id(i) is None or i not in vocab:
+        if not isinstance(token, str) or not token or not _is_id(i) or i not in vocab:
             raise ValueError(
                 "special_tokens: expected non-empty strings with ids in the vocabulary, "
                 f"got {token!r}: {i!r}"
@@ -308,6 +288,39 @@ def _check_tables(
             )
 
 
+def _byte_ids(vocab: Mapping[int, bytes], special_ids: Iterable[int]) -> list[int]:
+    """The id of each of the 256 single bytes (GPT-2's files order them differently from 0..255)."""
+    specials = set(special_ids)
+    found: dict[int, int] = {}
+    for i, token in vocab.items():
+        if len(token) == 1 and i not in specials:
+            found.setdefault(token[0], i)
+    missing = sorted(set(range(256)) - set(found))
+    if missing:
+        raise ValueError(
+            f"vocab: expected an id for each of the 256 bytes, got none for bytes {missing[:8]}"
+        )
+    return [found[b] for b in range(256)]
+
+
+def _special_pattern(special_tokens: Iterable[str]) -> str:
+    """A regex that captures any of the special tokens, the longest first when one contains
+    another."""
+    ordered = sorted(special_tokens, key=len, reverse=True)
+    return "(" + "|".join(regex.escape(token) for token in ordered) + ")"
+
+
+# --- reading the course's tokenizer files ------------------------------------------------------
+
+
+def _read_text(path: Path, name: str) -> str:
+    """The text of `path`; a file that is not UTF-8 is a ValueError naming it and `name`."""
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"{name}: {str(path)!r} is not UTF-8 text: {exc}") from None
+
+
 def _read_json(path: Path, name: str) -> Any:
     """Parse the JSON file `path`; an unreadable one is a ValueError naming the file and `name`."""
     text = _read_text(path, name)
@@ -315,13 +328,6 @@ def _read_json(path: Path, name: str) -> Any:
         return json.loads(text)
     except json.JSONDecodeError as exc:
         raise ValueError(f"{name}: {str(path)!r} is not valid JSON: {exc}") from None
-
-
-def _read_text(path: Path, name: str) -> str:
-    try:
-        return path.read_text(encoding="utf-8")
-    except UnicodeDecodeError as exc:
-        raise ValueError(f"{name}: {str(path)!r} is not UTF-8 text: {exc}") from None
 
 
 def _load_field(
@@ -337,13 +343,51 @@ def _load_field(
     return value
 
 
-def _special_pattern(special_tokens: Iterable[str]) -> str:
-    """A regex that captures any of the special tokens, the longest first when one contains another."""
-    return "(" + "|".join(regex.escape(token) for token in sorted(special_tokens, key=len, reverse=True)) + ")"
+def _tables_from_state(state: dict[str, Any]) -> dict[str, Any]:
+    """The constructor arguments stored by `BPETokenizer.save`, each field checked by name."""
+    version = _load_field(state, "version", int, f"the version {FILE_VERSION}")
+    if version != FILE_VERSION:
+        raise ValueError(
+            f"field 'version': expected {FILE_VERSION} (the only version this code reads), "
+            f"got {version}"
+        )
+    vocab = {}
+    for key, token in _load_field(state, "vocab", dict, "an object {id: hex bytes}").items():
+        try:
+            i, token_bytes = int(key), bytes.fromhex(token)
+            if str(i) != key:
+                raise ValueError
+        except (TypeError, ValueError):
+            raise ValueError(
+                f"field 'vocab': expected a decimal id and hex bytes, got {key!r}: {token!r}"
+            ) from None
+        vocab[i] = token_bytes
+    merges = {}
+    listed = _load_field(state, "merges", list, "a list of [left, right, new_id]")
+    for rank, merge in enumerate(listed):
+        if not isinstance(merge, list) or len(merge) != 3 or not all(map(_is_id, merge)):
+            raise ValueError(
+                f"field 'merges': expected [left, right, new_id] ids, got {merge!r} at index {rank}"
+            )
+        merges[(merge[0], merge[1])] = merge[2]
+    if len(merges) != len(listed):
+        raise ValueError("field 'merges': expected each pair to be merged once, got one twice")
+    return {
+        "vocab": vocab,
+        "merges": merges,
+        "special_tokens": _load_field(state, "special_tokens", dict, "an object {token: id}"),
+        "pattern": _load_field(state, "pattern", (str, type(None)), "a regular expression or null"),
+    }
+
+
+# --- tokenizers ------------------------------------------------------------------------------
 
 
 class Tokenizer:
-    """The interface every tokenizer here has: `encode`, `decode` and `vocab_size`."""
+    """The interface every tokenizer here has: `encode`, `decode` and `vocab_size`.
+
+    Course: chapter 1.
+    """
 
     vocab: dict[int, Any]
 
@@ -362,28 +406,33 @@ class Tokenizer:
 
 
 class CharTokenizer(Tokenizer):
-    """One id per distinct character of `text`, in sorted order (as in nanoGPT's shakespeare_char)."""
+    """One id per distinct character of `text`, in sorted order (as in nanoGPT's
+    shakespeare_char): `vocab` maps each id to its character.
+
+    Course: chapter 1, exercise 1.1, checked by checks.tokenization.check_char_tokenizer.
+    """
 
     def __init__(self, text: str) -> None:
-        _check_text(text)
+        validate.text("text", text)
         if not text:
-            raise ValueError("text: expected at least one character to build a vocabulary from, got ''")
+            raise ValueError("text: expected at least one character to build a vocabulary, got ''")
         self.vocab = dict(enumerate(sorted(set(text))))
         self.ids = {char: i for i, char in self.vocab.items()}
 
     def encode(self, text: str) -> list[int]:
         """One id per character; a character not seen in training is an error."""
-        _check_text(text)
+        validate.text("text", text)
         try:
             return [self.ids[char] for char in text]
         except KeyError as exc:
             raise ValueError(
-                f"text: expected only characters from the tokenizer's vocabulary, got {exc.args[0]!r} "
-                f"at index {text.index(exc.args[0])}"
+                "text: expected only characters from the tokenizer's vocabulary, "
+                f"got {exc.args[0]!r} at index {text.index(exc.args[0])}"
             ) from None
 
     def decode(self, ids: Iterable[int]) -> str:
-        return "".join(self.vocab[i] for i in _check_ids(ids, self.vocab))
+        """The characters of the ids, joined."""
+        return "".join(self.vocab[i] for i in validate.token_ids("ids", ids, len(self.vocab)))
 
 
 class BPETokenizer(Tokenizer):
@@ -395,38 +444,38 @@ class BPETokenizer(Tokenizer):
     never cross. Build one with `train`, `load`, `from_huggingface` or `from_gpt2_files`; the
     constructor refuses tables that disagree (a merge whose bytes are not its pair's, ids
     outside 0..vocab_size-1), since they would encode or decode wrongly without an error.
+
+    Course: chapter 1, exercise 1.7, checked by checks.tokenization.check_bpe_encode.
     """
 
     def __init__(
         self,
         vocab: Mapping[int, bytes],
-        merges: Mapping[Pair, int],
+        merges: Mapping[TokenPair, int],
         *,
         pattern: str | None = None,
         special_tokens: Mapping[str, int] | None = None,
     ) -> None:
         self.vocab = dict(vocab)
         self.merges = dict(merges)
-        self.pattern = pattern
+        self.pattern = validate.regex_pattern("pattern", pattern)
         self.special_tokens = dict(special_tokens or {})
         _check_tables(self.vocab, self.merges, self.special_tokens)
         self.ranks = {pair: rank for rank, pair in enumerate(self.merges)}
-        self.byte_ids = {}
-        for i, token in self.vocab.items():
-            if len(token) == 1 and i not in self.special_tokens.values():
-                self.byte_ids.setdefault(token[0], i)
-        missing = sorted(set(range(256)) - set(self.byte_ids))
-        if missing:
-            raise ValueError(f"vocab: expected an id for each of the 256 bytes, got none for bytes {missing[:8]}")
-        self._split = _compile_pattern(pattern)
-        self._special_split = regex.compile(_special_pattern(self.special_tokens)) if self.special_tokens else None
-        self._cache: dict[str, list[int]] = {}
-
-    # training --------------------------------------------------------------------------------
+        self.byte_ids = _byte_ids(self.vocab, self.special_tokens.values())
+        self._split = None if pattern is None else regex.compile(pattern)
+        specials = _special_pattern(self.special_tokens) if self.special_tokens else None
+        self._special_split = None if specials is None else regex.compile(specials)
+        self._cache: dict[str, list[int]] = {}  # chunk -> ids: most chunks are words seen before
 
     @classmethod
     def train(
-        cls, text: str, vocab_size: int, *, pattern: str | None = None, special_tokens: Iterable[str] = ()
+        cls,
+        text: str,
+        vocab_size: int,
+        *,
+        pattern: str | None = None,
+        special_tokens: Iterable[str] = (),
     ) -> BPETokenizer:
         """Learn `vocab_size - 256 - len(special_tokens)` merges from `text`.
 
@@ -435,26 +484,15 @@ class BPETokenizer(Tokenizer):
         (see `split_chunks`); without one the whole text is a single chunk (fine for short texts,
         slow for a book). A text too short for that many merges gives a smaller vocabulary.
         """
-        _check_utf8(text)
-        split = _compile_pattern(pattern)
-        if isinstance(special_tokens, (str, bytes)) or not isinstance(special_tokens, Iterable):
-            raise TypeError(
-                "special_tokens: expected an iterable of strings such as ['<eos>'], "
-                f"got {special_tokens!r}"
-            )
-        special_tokens = list(special_tokens)
-        for token in special_tokens:
-            if not isinstance(token, str) or not token:
-                raise ValueError(f"special_tokens: expected non-empty strings, got {token!r}")
-        if len(set(special_tokens)) != len(special_tokens):
-            raise ValueError(f"special_tokens: expected distinct strings, got {special_tokens}")
+        validate.text("text", text, utf8=True)
+        validate.regex_pattern("pattern", pattern)
+        special_tokens = validate.distinct_strings("special_tokens", special_tokens)
         smallest = 256 + len(special_tokens)
-        if not isinstance(vocab_size, int) or isinstance(vocab_size, bool) or vocab_size < smallest:
-            raise ValueError(
-                f"vocab_size: expected an int >= {smallest} (256 bytes + {len(special_tokens)} special tokens), "
-                f"got {vocab_size!r}"
-            )
-        pieces = regex.split(_special_pattern(special_tokens), text)[::2] if special_tokens else [text]
+        validate.integer("vocab_size", vocab_size, low=smallest)
+        pieces = [text]
+        if special_tokens:
+            pieces = regex.split(_special_pattern(special_tokens), text)[::2]
+        split = None if pattern is None else regex.compile(pattern)
         chunks = (chunk for piece in pieces for chunk in split_chunks(piece, split))
         chunk_counts = Counter(chunk.encode("utf-8") for chunk in chunks)
         merges = train_merges(chunk_counts, vocab_size - smallest)
@@ -465,32 +503,36 @@ class BPETokenizer(Tokenizer):
         vocab.update({i: token.encode("utf-8") for token, i in specials.items()})
         return cls(vocab, merges, pattern=pattern, special_tokens=specials)
 
-    # encoding and decoding -------------------------------------------------------------------
-
     def encode(self, text: str) -> list[int]:
         """Text to ids: special tokens first, then the pre-split, then merges within each chunk."""
-        _check_utf8(text)
+        validate.text("text", text, utf8=True)
         pieces = self._special_split.split(text) if self._special_split else [text]
         ids: list[int] = []
-        cache = self._cache  # chunk -> ids: most chunks of a text are words seen before
         for k, piece in enumerate(pieces):
             if k % 2:  # split() puts the separators (here: special tokens) at odd positions
                 ids.append(self.special_tokens[piece])
-                continue
-            for chunk in split_chunks(piece, self._split):
-                chunk_ids = cache.get(chunk)
-                if chunk_ids is None:
-                    chunk_ids = encode_chunk([self.byte_ids[b] for b in chunk.encode("utf-8")], self.merges, self.ranks)
-                    if len(cache) < CACHE_SIZE:
-                        cache[chunk] = chunk_ids
-                ids.extend(chunk_ids)
+            else:
+                ids += self._encode_chunks(split_chunks(piece, self._split))
         return ids
+
+    def _encode_chunks(self, chunks: list[str]) -> list[int]:
+        """The ids of each chunk, merged on its own. Most chunks of a text are words seen before,
+        so each distinct chunk is encoded once, and remembered (up to `CACHE_SIZE` chunks)."""
+        distinct, cache, byte_id = dict.fromkeys(chunks), self._cache, self.byte_ids.__getitem__
+        for chunk in distinct:
+            ids = cache.get(chunk)
+            if ids is None:
+                byte_ids = list(map(byte_id, chunk.encode("utf-8")))
+                merge = encode_chunk if len(byte_ids) <= SHORT_CHUNK else encode_long_chunk
+                ids = merge(byte_ids, self.merges, self.ranks)
+                if len(cache) < CACHE_SIZE:
+                    cache[chunk] = ids
+            distinct[chunk] = ids
+        return list(chain.from_iterable(map(distinct.__getitem__, chunks)))
 
     def decode(self, ids: Iterable[int]) -> str:
         """Ids to text; bytes are joined before UTF-8 decoding, so split characters survive."""
-        return decode_ids(_check_ids(ids, self.vocab), self.vocab)
-
-    # saving and loading ----------------------------------------------------------------------
+        return decode_ids(validate.token_ids("ids", ids, len(self.vocab)), self.vocab)
 
     def save(self, path: str | Path) -> None:
         """Write the tokenizer as JSON (token bytes in hex), atomically: a crash keeps the old
@@ -518,136 +560,22 @@ class BPETokenizer(Tokenizer):
                 f"got {found!r} in {str(path)!r}"
             )
         try:
-            return cls._from_state(state)
+            return cls(**_tables_from_state(state))
         except (TypeError, ValueError) as exc:
             raise ValueError(f"path: {str(path)!r} is not a valid tokenizer file: {exc}") from None
 
     @classmethod
-    def _from_state(cls, state: dict[str, Any]) -> BPETokenizer:
-        version = _load_field(state, "version", int, f"the version {FILE_VERSION}")
-        if version != FILE_VERSION:
-            raise ValueError(
-                f"field 'version': expected {FILE_VERSION} (the only version this code reads), "
-                f"got {version}"
-            )
-        vocab = {}
-        for key, token in _load_field(state, "vocab", dict, "an object {id: hex bytes}").items():
-            try:
-                i, token_bytes = int(key), bytes.fromhex(token)
-                if str(i) != key:
-                    raise ValueError
-            except (TypeError, ValueError):
-                raise ValueError(
-                    f"field 'vocab': expected a decimal id and hex bytes, got {key!r}: {token!r}"
-                ) from None
-            vocab[i] = token_bytes
-        merges = {}
-        listed = _load_field(state, "merges", list, "a list of [left, right, new_id]")
-        for rank, merge in enumerate(listed):
-            if not isinstance(merge, list) or len(merge) != 3 or None in map(_as_id, merge):
-                raise ValueError(
-                    "field 'merges': expected [left, right, new_id] ids, "
-                    f"got {merge!r} at index {rank}"
-                )
-            merges[(merge[0], merge[1])] = merge[2]
-        if len(merges) != len(listed):
-            raise ValueError("field 'merges': expected each pair to be merged once, got one twice")
-        special_tokens = _load_field(state, "special_tokens", dict, "an object {token: id}")
-        pattern = _load_field(state, "pattern", (str, type(None)), "a regular expression or null")
-        return cls(vocab, merges, pattern=pattern, special_tokens=special_tokens)
-
-    # GPT-2 and Hugging Face formats ----------------------------------------------------------
-
-    @classmethod
     def from_gpt2_files(cls, vocab_json: str | Path, merges_txt: str | Path) -> BPETokenizer:
-        """Load GPT-2's `vocab.json` (token string -> id) and `merges.txt` (one `left right` per line).
+        """GPT-2's `vocab.json` and `merges.txt` (OpenAI's `encoder.json` and `vocab.bpe`), read
+        by `tokenizer_files.read_gpt2_files`."""
+        from transformer_course import tokenizer_files  # imported here: it imports this module
 
-        Tokens are written in GPT-2's byte-to-unicode alphabet (see `bytes_to_unicode`). Vocabulary
-        entries that are neither a byte nor a merge result (`<|endoftext|>`) become special tokens.
-        """
-        vocab = _read_json(Path(vocab_json), "vocab_json")
-        if not isinstance(vocab, dict):
-            raise ValueError(
-                f"vocab_json: expected an object {{token: id}} in {str(vocab_json)!r}, "
-                f"got {type(vocab).__name__}"
-            )
-        for token, i in vocab.items():
-            if _as_id(i) is None:
-                raise ValueError(
-                    f"vocab_json: expected integer ids in {str(vocab_json)!r}, "
-                    f"got {i!r} for the entry {token!r}"
-                )
-        merges = []
-        lines = _read_text(Path(merges_txt), "merges_txt").splitlines()
-        for number, line in enumerate(lines, start=1):
-            if line.startswith("#version") or not line.strip():
-                continue
-            parts = line.split(" ")
-            if len(parts) != 2:
-                raise ValueError(f"merges_txt: expected 'left right' on line {number}, got {line!r}")
-            merges.append((parts[0], parts[1]))
-        return cls._from_gpt2_vocab(vocab, merges, pattern=GPT2_SPLIT_PATTERN)
+        return cls(**tokenizer_files.read_gpt2_files(vocab_json, merges_txt))
 
     @classmethod
     def from_huggingface(cls, tokenizer: Any) -> BPETokenizer:
-        """Copy a Hugging Face `tokenizers.Tokenizer` with a byte-level BPE model; ids stay identical."""
-        try:
-            config = json.loads(tokenizer.to_str())
-        except AttributeError:
-            raise TypeError(f"tokenizer: expected a tokenizers.Tokenizer, got {type(tokenizer).__name__}") from None
-        model = config["model"]
-        pre = config.get("pre_tokenizer") or {}
-        problems = {
-            "model": (model.get("type"), "BPE"),
-            "pre_tokenizer": (pre.get("type"), "ByteLevel"),
-            "normalizer": (config.get("normalizer"), None),
-            "pre_tokenizer.add_prefix_space": (pre.get("add_prefix_space"), False),
-            "model.dropout": (model.get("dropout"), None),
-            "model.continuing_subword_prefix": (model.get("continuing_subword_prefix") or None, None),
-            "model.end_of_word_suffix": (model.get("end_of_word_suffix") or None, None),
-            "model.ignore_merges": (model.get("ignore_merges", False), False),
-        }
-        for name, (actual, expected) in problems.items():
-            if actual != expected:
-                raise ValueError(f"tokenizer: expected {name}={expected!r} (byte-level BPE), got {actual!r}")
-        merges = [tuple(m.split(" ")) if isinstance(m, str) else tuple(m) for m in model["merges"]]
-        vocab = dict(model["vocab"])
-        specials = {}
-        for added in config.get("added_tokens", []):
-            vocab[added["content"]] = added["id"]
-            specials[added["content"]] = added["id"]
-        pattern = GPT2_SPLIT_PATTERN if pre.get("use_regex", True) else None
-        return cls._from_gpt2_vocab(vocab, merges, pattern=pattern, special_tokens=specials)
+        """A copy of a Hugging Face `tokenizers.Tokenizer` with a byte-level BPE model, ids
+        identical, read by `tokenizer_files.read_huggingface`."""
+        from transformer_course import tokenizer_files  # imported here: it imports this module
 
-    @classmethod
-    def _from_gpt2_vocab(
-        cls,
-        vocab: Mapping[str, int],
-        merges: Sequence[tuple[str, str]],
-        *,
-        pattern: str | None,
-        special_tokens: Mapping[str, int] | None = None,
-    ) -> BPETokenizer:
-        """Build from token strings in GPT-2's byte-to-unicode alphabet (shared by both formats)."""
-        to_byte = {char: b for b, char in bytes_to_unicode().items()}
-        special_tokens = dict(special_tokens or {})
-        merged_tokens = {left + right for left, right in merges}
-        ids: dict[int, bytes] = {}
-        for token, i in vocab.items():
-            if token in special_tokens:
-                ids[i] = token.encode("utf-8")
-            elif len(token) == 1 and token in to_byte or token in merged_tokens:
-                try:
-                    ids[i] = bytes(to_byte[char] for char in token)
-                except KeyError as exc:
-                    raise ValueError(f"vocab: expected tokens in GPT-2's byte alphabet, got {token!r}") from exc
-            else:
-                special_tokens[token] = i
-                ids[i] = token.encode("utf-8")
-        pairs = {}
-        for rank, (left, right) in enumerate(merges):
-            for part in (left, right, left + right):
-                if part not in vocab:
-                    raise ValueError(f"merges: expected tokens in the vocabulary, got {part!r} in merge {rank}")
-            pairs[(vocab[left], vocab[right])] = vocab[left + right]
-        return cls(ids, pairs, pattern=pattern, special_tokens=special_tokens)
+        return cls(**tokenizer_files.read_huggingface(tokenizer))

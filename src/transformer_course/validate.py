@@ -7,10 +7,12 @@ Call them as `validate.positive_int("n_heads", n_heads)`; each returns the value
 from __future__ import annotations
 
 import math
-from collections.abc import Collection
+import operator
+from collections.abc import Collection, Iterable
 from numbers import Integral, Real
 from typing import Any, TypeVar
 
+import regex
 import torch
 from torch import Tensor
 
@@ -75,6 +77,71 @@ def one_of(name: str, value: T, choices: Collection[T]) -> T:
     if value not in choices:
         raise ValueError(f"{name}: expected one of {sorted(choices)}, got {value!r}")
     return value
+
+
+def text(name: str, value: Any, *, utf8: bool = False) -> str:
+    """A str; with `utf8`, one that UTF-8 can encode (no lone surrogates such as '\\ud800')."""
+    if not isinstance(value, str):
+        raise TypeError(f"{name}: expected a str, got {type(value).__name__}")
+    if utf8:
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise ValueError(
+                f"{name}: expected a string UTF-8 can encode, got the lone surrogate "
+                f"{value[exc.start]!r} at index {exc.start}"
+            ) from None
+    return value
+
+
+def distinct_strings(name: str, values: Any) -> list[str]:
+    """An iterable (not a single str) of distinct non-empty strings, returned as a list."""
+    if isinstance(values, (str, bytes)) or not isinstance(values, Iterable):
+        raise TypeError(f"{name}: expected an iterable of strings, not one str, got {values!r}")
+    values = list(values)
+    for value in values:
+        if not isinstance(value, str) or not value:
+            raise ValueError(f"{name}: expected non-empty strings, got {value!r}")
+    if len(set(values)) != len(values):
+        raise ValueError(f"{name}: expected distinct strings, got {values}")
+    return values
+
+
+def regex_pattern(name: str, value: Any) -> str | None:
+    """None, or a regular expression in the `regex` module's syntax (which knows `\\p{L}`)."""
+    if value is None:
+        return None
+    if not isinstance(value, str):
+        got = type(value).__name__
+        raise TypeError(f"{name}: expected a regular expression str or None, got {got}")
+    try:
+        regex.compile(value)
+    except regex.error as exc:
+        raise ValueError(
+            f"{name}: expected a valid regular expression, got {value!r} ({exc})"
+        ) from None
+    return value
+
+
+def token_ids(name: str, ids: Any, vocab_size: int) -> list[int]:
+    """Ids in [0, vocab_size) as a list of int: Python, NumPy or 0-d tensor integers, not bools."""
+    if isinstance(ids, (str, bytes)) or not isinstance(ids, Iterable):
+        raise TypeError(f"{name}: expected a sequence of ints, got {type(ids).__name__}")
+    checked = []
+    for position, token in enumerate(ids):
+        try:
+            if isinstance(token, bool) or getattr(token, "dtype", None) == torch.bool:
+                raise TypeError  # True is an int to Python, but never meant as token 1
+            i = operator.index(token)
+        except TypeError:
+            i = -1
+        if not 0 <= i < vocab_size:
+            raise ValueError(
+                f"{name}: expected token ids in the vocabulary (0..{vocab_size - 1}), "
+                f"got {token!r} at position {position}"
+            )
+        checked.append(i)
+    return checked
 
 
 def token_id(name: str, value: Any, vocab: int) -> int:

@@ -1,4 +1,5 @@
-"""Checkers for Chapter 1's workbook: pair counting, merging, training, encoding and decoding."""
+"""Checkers for Chapter 1's workbook: the character tokenizer, then BPE's pair counting, merging,
+training, encoding and decoding, and the whole encoder with its pre-split and special tokens."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from transformer_course.checks import CheckFailure, call, expect, passed
 from transformer_course.tokenization import (
     GPT2_SPLIT_PATTERN,
     BPETokenizer,
+    CharTokenizer,
     encode_chunk,
     get_pair_counts,
     merge_pair,
@@ -19,6 +21,7 @@ from transformer_course.tokenization import (
 
 __all__ = [
     "check_bpe_encode",
+    "check_char_tokenizer",
     "check_decode_ids",
     "check_encode_chunk",
     "check_get_pair_counts",
@@ -48,6 +51,62 @@ def _chunk_counts(text: str) -> dict[bytes, int]:
     return counts
 
 
+def _relabelled(actual: list[int], expected: list[int]) -> bool:
+    """Whether `actual` is `expected` with the ids renamed one to one."""
+    return len(set(zip(actual, expected))) == len(set(actual)) == len(set(expected))
+
+
+CHAR_TEXTS = ("hello", "To be, or not to be", "ba", "日本語 café\n\t!")
+
+
+def check_char_tokenizer(cls: type) -> None:
+    """`cls(text)`: ids 0.. for the sorted distinct characters, `encode`, `decode`, `vocab_size`."""
+    name = "CharTokenizer"
+    for text in CHAR_TEXTS:
+        reference = CharTokenizer(text)
+        theirs = call(f"{name}({text!r})", cls, text)
+        size = call(f"{name}.vocab_size", getattr, theirs, "vocab_size")
+        expect(
+            size == reference.vocab_size,
+            f"{name}({text!r}).vocab_size",
+            f"expected {reference.vocab_size} (one per distinct character), got {size!r}.",
+            "self.vocab maps each id to its character, once per distinct character "
+            "(vocab_size counts it).",
+        )
+        query = text[::-1]
+        actual, expected = call(f"{name}.encode", theirs.encode, query), reference.encode(query)
+        hint = "number the distinct characters 0, 1, ... in sorted order."
+        ints = isinstance(actual, list) and all(isinstance(i, int) for i in actual)
+        if ints and [i - 1 for i in actual] == expected:
+            hint = "ids start at 0."
+        elif ints and len(actual) == len(expected) and _relabelled(actual, expected):
+            hint = "sort the characters: a set's order changes from run to run, the ids must not."
+        expect(
+            actual == expected,
+            f"{name}({text!r}).encode({query!r})",
+            f"expected {expected}, got {actual!r}.",
+            hint,
+        )
+        decoded = call(f"{name}.decode", theirs.decode, expected)
+        expect(
+            decoded == query,
+            f"{name}({text!r}).decode({expected})",
+            f"expected {query!r}, got {decoded!r}.",
+            "look each id up in self.vocab and join the characters into one str.",
+        )
+    try:
+        ids = cls("abc").encode("abz")
+    except Exception:  # any error is right: the character has no id
+        ids = None
+    expect(
+        ids is None,
+        f"{name}('abc').encode('abz')",
+        f"expected an error ('z' has no id), got {ids!r}.",
+        "a character the tokenizer never saw cannot be encoded: raise, don't skip it.",
+    )
+    passed(name)
+
+
 def check_get_pair_counts(fn: Callable) -> None:
     """`get_pair_counts(ids, counts=None, weight=1)` counts neighbouring pairs."""
     name = "get_pair_counts"
@@ -66,10 +125,13 @@ def check_get_pair_counts(fn: Callable) -> None:
     expect(
         actual is counts and dict(actual) == {(1, 2): 7, (2, 1): 3},
         name,
-        f"with counts={{(1, 2): 1}} and weight=3 expected the same dict updated to {{(1, 2): 7, (2, 1): 3}}, "
+        "with counts={(1, 2): 1} and weight=3 expected the same dict updated to "
+        f"{{(1, 2): 7, (2, 1): 3}}, "
         f"got {dict(actual) if isinstance(actual, dict) else actual!r}"
-        + ("" if actual is counts else " (a new dict)") + ".",
-        "add `weight` per occurrence to the `counts` you were given (a chunk seen 3 times counts 3 times).",
+        + ("" if actual is counts else " (a new dict)")
+        + ".",
+        "add `weight` per occurrence to the `counts` you were given "
+        "(a chunk seen 3 times counts 3 times).",
     )
     passed(name)
 
@@ -91,12 +153,19 @@ def check_merge_pair(fn: Callable) -> None:
         before = list(ids)
         actual = call(name, fn, ids, pair, new_id)
         expected = merge_pair(ids, pair, new_id)
-        expect(ids == before, name, "it changed the `ids` list it was given.", "build and return a new list.")
+        expect(
+            ids == before,
+            name,
+            "it changed the `ids` list it was given.",
+            "build and return a new list.",
+        )
         expect(
             isinstance(actual, list) and actual == expected,
             name,
             f"merging {pair} -> {new_id} in {ids} should give {expected}, got {actual!r}.",
-            hint or "walk left to right; where ids[i], ids[i + 1] equal the pair, emit new_id and skip both.",
+            hint
+            or "walk left to right; where ids[i], ids[i + 1] equal the pair, emit new_id and skip "
+            "both.",
         )
     passed(name)
 
@@ -110,11 +179,18 @@ def check_train_merges(fn: Callable) -> None:
     name = "train_merges"
     corpora = {
         "the chunk b'aaabdaaabac'": ({b"aaabdaaabac": 1}, 3),
-        "a small Shakespeare sample (with chunk counts)": (_chunk_counts(SAMPLE * 3 + "the the the "), 40),
+        "a small Shakespeare sample (with chunk counts)": (
+            _chunk_counts(SAMPLE * 3 + "the the the "),
+            40,
+        ),
     }
     for label, (chunk_counts, num_merges) in corpora.items():
         merges = call(name, fn, dict(chunk_counts), num_merges)
-        expect(isinstance(merges, dict), name, f"expected a dict {{pair: new_id}}, got {type(merges).__name__}.")
+        expect(
+            isinstance(merges, dict),
+            name,
+            f"expected a dict {{pair: new_id}}, got {type(merges).__name__}.",
+        )
         expect(
             len(merges) == num_merges,
             name,
@@ -140,10 +216,12 @@ def check_train_merges(fn: Callable) -> None:
                 hint = (
                     "weight each chunk's pairs by how often the chunk occurs."
                     if unweighted.get(pair, 0) == max(unweighted.values())
-                    else OVERLAP_HINT + " Also recount (or update) the pair counts after every merge."
+                    else OVERLAP_HINT
+                    + " Also recount (or update) the pair counts after every merge."
                 )
                 raise CheckFailure(
-                    f"`{name}`: on {label}, merge {step} chose {pair} (count {counts.get(pair, 0)}), "
+                    f"`{name}`: on {label}, merge {step} chose {pair} "
+                    f"(count {counts.get(pair, 0)}), "
                     f"but the most frequent pair then occurs {best} times.\nHint: {hint}"
                 )
             merged: dict = {}
@@ -159,13 +237,22 @@ def check_encode_chunk(fn: Callable) -> None:
     name = "encode_chunk"
     in_order = {(98, 99): 256, (97, 98): 257}  # (b, c) learned before (a, b)
     cases = [
-        ([97, 98, 99], in_order, "apply the merge learned first (lowest rank), not the pair that comes first in the text."),
+        (
+            [97, 98, 99],
+            in_order,
+            "apply the merge learned first (lowest rank), not the pair that comes first in the "
+            "text.",
+        ),
         ([97, 98, 97, 98], in_order, ""),
         ([], in_order, ""),
         ([97], in_order, ""),
         ([97, 97, 97], {(97, 97): 256}, OVERLAP_HINT),
         ([97, 97, 97, 97], {(97, 97): 256, (256, 256): 257}, OVERLAP_HINT),
-        ([97, 97, 98], {(97, 97): 256, (256, 98): 257, (97, 98): 258}, "keep merging: a new token can merge again."),
+        (
+            [97, 97, 98],
+            {(97, 97): 256, (256, 98): 257, (97, 98): 258},
+            "keep merging: a new token can merge again.",
+        ),
     ]
     sample_merges = train_merges(_chunk_counts(SAMPLE), 60)
     for chunk in regex.findall(GPT2_SPLIT_PATTERN, SAMPLE)[:40] + [SAMPLE.replace(" ", "")]:
@@ -177,8 +264,11 @@ def check_encode_chunk(fn: Callable) -> None:
         expect(
             isinstance(actual, list) and actual == expected,
             name,
-            f"for ids={ids[:20]}{'...' if len(ids) > 20 else ''} expected {expected[:20]}, got {actual!r:.200}.",
-            hint or "repeatedly find the pair with the lowest rank, merge it (left to right), stop when none has a rank.",
+            f"for ids={ids[:20]}{'...' if len(ids) > 20 else ''} expected {expected[:20]}, "
+            f"got {actual!r:.200}.",
+            hint
+            or "repeatedly find the pair with the lowest rank, merge it (left to right), stop when "
+            "none has a rank.",
         )
     passed(name)
 
@@ -223,46 +313,108 @@ BPE_TEXTS = (
     "café, naïve, 日本語, emoji 🙂",
     "",
 )
+# Runs of spaces teach the merge "  ", which the pre-split keeps from joining " spaces".
+BPE_TRAINING = (
+    "Hello world, hello worlds. The end<|endoftext|>The start. café naïve 日本語 a  b   c\n"
+)
 
 
-def _encode_without(tokenizer: BPETokenizer, text: str, *, specials: bool = True, pre_split: bool = True) -> list[int]:
-    """The reference's encoding with one of its two splits left out: what those bugs produce."""
-    pieces = tokenizer._special_split.split(text) if specials else [text]
-    ids: list[int] = []
+def _is_id(i: object, vocab: dict[int, bytes]) -> bool:
+    return isinstance(i, int) and not isinstance(i, bool) and i in vocab
+
+
+def _rank_order_samples(tokenizer: BPETokenizer, limit: int = 3) -> list[str]:
+    """Texts of three bytes a, b, c that are one chunk, where (b, c) was learned before (a, b):
+    merged in rank order they start a + bc, merged in the order of the text ab + c."""
+    byte_merges = [(pair, rank) for pair, rank in tokenizer.ranks.items() if max(pair) < 256]
+    samples = []
+    for (a, b), late in byte_merges:
+        for (middle, c), early in byte_merges:
+            try:
+                text = bytes([a, b, c]).decode("utf-8")
+            except UnicodeDecodeError:
+                continue
+            if middle == b and early < late and _units(tokenizer, text) == [text]:
+                samples.append(text)
+    return samples[:limit]
+
+
+def _units(tokenizer: BPETokenizer, text: str) -> list[str]:
+    """The pieces the reference merges within: each special token, and each chunk of the rest."""
+    units = []
+    pieces = tokenizer._special_split.split(text) if tokenizer._special_split else [text]
     for k, piece in enumerate(pieces):
-        if k % 2:
-            ids.append(tokenizer.special_tokens[piece])
-            continue
-        for chunk in split_chunks(piece, tokenizer._split) if pre_split else [piece] if piece else []:
-            ids += encode_chunk([tokenizer.byte_ids[b] for b in chunk.encode("utf-8")], tokenizer.merges, tokenizer.ranks)
-    return ids
+        units += [piece] if k % 2 else split_chunks(piece, tokenizer._split)
+    return units
+
+
+def _ends(pieces: list[bytes]) -> set[int]:
+    """The byte offsets at which the pieces end."""
+    ends, end = set(), 0
+    for piece in pieces:
+        end += len(piece)
+        ends.add(end)
+    return ends
+
+
+def _bpe_encode_hint(tokenizer: BPETokenizer, text: str, actual: list[int]) -> str:
+    """Which family of mistake `actual` (valid ids that decode to `text`) belongs to."""
+    specials = tokenizer.special_tokens
+    expected_specials = sum(text.count(token) for token in specials)
+    if sum(i in specials.values() for i in actual) < expected_specials:
+        return (
+            "special tokens are cut out of the text first (self._special_split.split puts them "
+            "at the odd positions) and each becomes its one id, never merged bytes."
+        )
+    units = _units(tokenizer, text)
+    crossing = _ends([unit.encode() for unit in units]) - _ends(
+        [tokenizer.vocab[i] for i in actual]
+    )
+    if crossing:
+        return (
+            "a token crosses the pre-split: merges must stay inside the chunks of "
+            "split_chunks(piece, self._split); encode each chunk on its own."
+        )
+    return (
+        "the chunks are right but their merges are not: within each chunk, merge the pair with "
+        "the lowest rank (self.ranks) first, as encode_chunk does."
+    )
 
 
 def check_bpe_encode(cls: type) -> None:
     """`cls(vocab, merges, pattern=, special_tokens=).encode(text)`: special tokens whole, the
     pre-split, then the merges within each chunk; ids identical to the reference's."""
     name = "BPETokenizer.encode"
-    # Runs of spaces teach the merge "  ", which the pre-split keeps from joining " spaces".
-    text = "Hello world, hello worlds. The end<|endoftext|>The start. café naïve 日本語 a  b   c\n" * 20
     for pattern in (GPT2_SPLIT_PATTERN, None):
-        reference = BPETokenizer.train(text, 300, pattern=pattern, special_tokens=["<|endoftext|>"])
-        theirs = call(f"{name} (building the tokenizer)", cls, reference.vocab, reference.merges,
-                      pattern=pattern, special_tokens=reference.special_tokens)
-        for sample in BPE_TEXTS:
+        reference = BPETokenizer.train(
+            BPE_TRAINING * 20, 300, pattern=pattern, special_tokens=["<|endoftext|>"]
+        )
+        theirs = call(
+            f"{name} (building the tokenizer)",
+            cls,
+            reference.vocab,
+            reference.merges,
+            pattern=pattern,
+            special_tokens=reference.special_tokens,
+        )
+        for sample in BPE_TEXTS + tuple(_rank_order_samples(reference)):
             where = f"{name}({sample!r}), pattern={'GPT-2' if pattern else 'None'}"
             actual = call(name, theirs.encode, sample)
             expected = reference.encode(sample)
             if actual == expected:
                 continue
-            expect(isinstance(actual, list) and all(isinstance(i, int) for i in actual), where,
-                   f"expected a list of int ids, got {actual!r:.80}.")
-            hint = "split out special tokens first, pre-split the rest, merge each chunk with encode_chunk."
-            if actual == _encode_without(reference, sample, specials=False):
-                hint = ("special tokens are cut out of the text first (self._special_split.split puts them "
-                        "at the odd positions) and each becomes its one id, never merged bytes.")
-            elif pattern and actual == _encode_without(reference, sample, pre_split=False):
-                hint = ("merges must not cross the pre-split: encode each chunk of "
-                        "split_chunks(piece, self._split) on its own.")
+            expect(
+                isinstance(actual, list) and all(_is_id(i, reference.vocab) for i in actual),
+                where,
+                f"expected a list of int ids below {reference.vocab_size}, got {actual!r:.80}.",
+            )
+            expect(
+                reference.decode(actual) == sample,
+                where,
+                f"decode(encode(text)) is {reference.decode(actual)!r}, not the text.",
+                "every character must be encoded once: each special token as its id, and every "
+                "chunk of the text between them (split_chunks keeps what the pattern skips).",
+            )
+            hint = _bpe_encode_hint(reference, sample, actual)
             expect(False, where, f"expected {expected}, got {actual}.", hint)
-            expect(theirs.decode(actual) == sample, where, "decode(encode(text)) is not the text.")
     passed(name)
