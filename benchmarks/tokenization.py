@@ -49,7 +49,9 @@ def gpt2_files(repeats: int) -> None:
     builders = {
         "course": load_gpt2_tokenizer,
         "tiktoken": lambda: tiktoken.Encoding(
-            "gpt2", pat_str=pat_str, special_tokens={"<|endoftext|>": 50256},
+            "gpt2",
+            pat_str=pat_str,
+            special_tokens={"<|endoftext|>": 50256},
             mergeable_ranks=data_gym_to_mergeable_bpe_ranks(vocab_bpe, encoder_json),
         ),
         "HF fast": lambda: GPT2TokenizerFast(vocab=encoder_json, merges=vocab_bpe),
@@ -73,13 +75,17 @@ def gpt2_files(repeats: int) -> None:
         for name in builders:
             assert ids[name] == ids["tiktoken"], f"{name} ids differ from tiktoken's"
     base = statistics.median(encode["tiktoken"])
-    print(f"GPT-2's files, wikitext-2 valid + test: {n_bytes:,} bytes, "
-          f"{len(ids['tiktoken']):,} tokens, identical ids; median of {repeats}, fresh tokenizers")
+    print(
+        f"GPT-2's files, wikitext-2 valid + test: {n_bytes:,} bytes, "
+        f"{len(ids['tiktoken']):,} tokens, identical ids; median of {repeats}, fresh tokenizers"
+    )
     for name in builders:
         seconds = statistics.median(encode[name])
         built = statistics.median(build[name])
-        print(f"  {name:<9} encode {seconds:6.2f} s ({n_bytes / seconds / 1e6:5.2f} MB/s) = "
-              f"{seconds / base:5.2f}x tiktoken's time; build from files {built:5.2f} s")
+        print(
+            f"  {name:<9} encode {seconds:6.2f} s ({n_bytes / seconds / 1e6:5.2f} MB/s) = "
+            f"{seconds / base:5.2f}x tiktoken's time; build from files {built:5.2f} s"
+        )
     print("  goal: course <= 3x tiktoken's time")
 
 
@@ -87,7 +93,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--vocab-size", type=int, default=4096)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--threads", type=int, default=1, help="threads for Hugging Face tokenizers")
+    parser.add_argument(
+        "--threads", type=int, default=1, help="threads for Hugging Face tokenizers"
+    )
     parser.add_argument("--gpt2-only", action="store_true", help="only part 1, GPT-2's real files")
     args = parser.parse_args()
     os.environ["RAYON_NUM_THREADS"] = str(args.threads)  # read when tokenizers starts its pool
@@ -109,14 +117,23 @@ def main() -> None:
         hf = tokenizers.Tokenizer(tokenizers.models.BPE())
         hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
         trainer = trainers.BpeTrainer(
-            vocab_size=args.vocab_size, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False
+            vocab_size=args.vocab_size,
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+            show_progress=False,
         )
         hf.train_from_iterator([text], trainer)
         return hf
 
-    times: dict[str, list[float]] = {"train ours": [], "train hf": [], "encode ours": [], "encode hf": []}
+    times: dict[str, list[float]] = {
+        "train ours": [],
+        "train hf": [],
+        "encode ours": [],
+        "encode hf": [],
+    }
     for _ in range(args.repeats):
-        seconds, ours = timed(lambda: BPETokenizer.train(text, args.vocab_size, pattern=GPT2_SPLIT_PATTERN))
+        seconds, ours = timed(
+            lambda: BPETokenizer.train(text, args.vocab_size, pattern=GPT2_SPLIT_PATTERN)
+        )
         times["train ours"].append(seconds)
         seconds, hf = timed(train_hf)
         times["train hf"].append(seconds)
@@ -128,12 +145,18 @@ def main() -> None:
         times["encode hf"].append(seconds)
     median = {name: statistics.median(values) for name, values in times.items()}
 
-    print(f"Tiny Shakespeare, {n_bytes:,} bytes; vocab {args.vocab_size}; median of {args.repeats}; HF threads {args.threads}")
-    print(f"train   ours {median['train ours']:6.2f} s   HF {median['train hf']:6.2f} s   "
-          f"ours/HF {median['train ours'] / median['train hf']:5.1f}x   (goal <= 10x)")
+    print(
+        f"Tiny Shakespeare, {n_bytes:,} bytes; vocab {args.vocab_size}; median of {args.repeats}; HF threads {args.threads}"
+    )
+    print(
+        f"train   ours {median['train ours']:6.2f} s   HF {median['train hf']:6.2f} s   "
+        f"ours/HF {median['train ours'] / median['train hf']:5.1f}x   (goal <= 10x)"
+    )
     mb_ours, mb_hf = n_bytes / median["encode ours"] / 1e6, n_bytes / median["encode hf"] / 1e6
-    print(f"encode  ours {mb_ours:6.2f} MB/s  HF {mb_hf:6.2f} MB/s  "
-          f"ours/HF {mb_ours / mb_hf:5.2f}    (goal: ours >= 1 MB/s)")
+    print(
+        f"encode  ours {mb_ours:6.2f} MB/s  HF {mb_hf:6.2f} MB/s  "
+        f"ours/HF {mb_ours / mb_hf:5.2f}    (goal: ours >= 1 MB/s)"
+    )
     print(f"bytes per token   ours {n_bytes / len(ids_ours):.3f}   HF {n_bytes / len(ids_hf):.3f}")
 
 

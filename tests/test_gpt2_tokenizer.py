@@ -43,7 +43,9 @@ def tiktoken_gpt2() -> tiktoken.Encoding:
         encoder_json_file=str(data.fetch("gpt2", "encoder.json")),
     )
     return tiktoken.Encoding(
-        "gpt2-offline", pat_str=GPT2_PAT_STR, mergeable_ranks=ranks,
+        "gpt2-offline",
+        pat_str=GPT2_PAT_STR,
+        mergeable_ranks=ranks,
         special_tokens={ENDOFTEXT: 50256},
     )
 

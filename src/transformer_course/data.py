@@ -136,13 +136,16 @@ def _download(file: DataFile, target: Path) -> None:
     except OSError as exc:
         raise DataError(
             f"could not download {file.dataset}/{file.name} from {file.url}: {exc}.\n"
-            f"Offline? Put the file at <mirror>/{file.dataset}/{file.name} and set {MIRROR_ENV}=<mirror>."
+            f"Offline? Put the file at <mirror>/{file.dataset}/{file.name} "
+            f"and set {MIRROR_ENV}=<mirror>."
         ) from exc
     if file.member is not None:
         try:
             payload = zipfile.ZipFile(io.BytesIO(payload)).read(file.member)
         except (zipfile.BadZipFile, KeyError) as exc:
-            raise DataError(f"{file.url}: expected a zip archive holding {file.member!r} ({exc})") from exc
+            raise DataError(
+                f"{file.url}: expected a zip archive holding {file.member!r} ({exc})"
+            ) from exc
     fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".part")
     try:
         with os.fdopen(fd, "wb") as f:
@@ -169,8 +172,8 @@ def fetch(dataset: str, name: str) -> Path:
             actual = sha256_of(candidate)
             if actual != file.sha256:
                 raise DataError(
-                    f"{candidate} has sha256 {actual}, expected {file.sha256}: the mirror's copy is "
-                    f"corrupt or a different version. Replace it with the file from {file.url}."
+                    f"{candidate} has sha256 {actual}, expected {file.sha256}: the mirror's copy "
+                    f"is corrupt or a different version. Replace it with the file from {file.url}."
                 )
             return candidate
     cached = cache_dir() / dataset / name
@@ -182,13 +185,16 @@ def fetch(dataset: str, name: str) -> Path:
         _download(file, cached)
     except DataError as exc:
         if mirror:
-            raise DataError(f"{exc}\n(Also not found in the mirror {MIRROR_ENV}={mirror}.)") from exc
+            raise DataError(
+                f"{exc}\n(Also not found in the mirror {MIRROR_ENV}={mirror}.)"
+            ) from exc
         raise
     return cached
 
 
 def load_text(name: str = "tinyshakespeare") -> str:
-    """A whole text corpus as one string: "tinyshakespeare", "wikitext-2-valid" or "wikitext-2-test"."""
+    """A whole text corpus as one string: "tinyshakespeare", "wikitext-2-valid" or
+    "wikitext-2-test"."""
     if name not in TEXTS:
         raise KeyError(f"name: expected one of {sorted(TEXTS)}, got {name!r}")
     return fetch(*TEXTS[name]).read_text(encoding="utf-8")
