@@ -18,7 +18,9 @@ import pytest
 
 from transformer_course import data
 
-MIRROR = Path(os.environ.get(data.MIRROR_ENV, Path(__file__).resolve().parents[2] / "shared" / "data"))
+MIRROR = Path(
+    os.environ.get(data.MIRROR_ENV, Path(__file__).resolve().parents[2] / "shared" / "data")
+)
 pytestmark = pytest.mark.skipif(
     not (MIRROR / "tinyshakespeare" / "input.txt").is_file(),
     reason=f"needs the data mirror ({data.MIRROR_ENV}) with tinyshakespeare/input.txt",
@@ -147,7 +149,6 @@ def test_bad_archive_is_refused(server, offline_cache, monkeypatch):
     serve(monkeypatch, data.REGISTRY["en-es"]["spa.txt"], f"{base}/wrong.zip")
     with pytest.raises(data.DataError, match="spa-eng/spa.txt"):
         data.load_translation_pairs()
-
 
 
 def test_gpt2_tokenizer_files_are_openais(monkeypatch):
