@@ -17,7 +17,7 @@ from tiktoken.load import data_gym_to_mergeable_bpe_ranks
 from transformers import GPT2Tokenizer
 
 from transformer_course import data
-from transformer_course.tokenization import BPETokenizer
+from transformer_course.tokenization import BPETokenizer, encode_chunk
 
 ENDOFTEXT = "<|endoftext|>"
 # tiktoken_ext/openai_public.py, gpt2(): the pre-split regex of OpenAI's encoder.py
@@ -61,6 +61,16 @@ def test_loader_gives_gpt2s_vocabulary(ours: BPETokenizer) -> None:
     assert ours.special_tokens == {ENDOFTEXT: 50256}
     assert ours.encode("Hello world") == [15496, 995]  # the check in OpenAI's and tiktoken's docs
     assert len(ours.merges) == 50000
+
+
+def test_every_gpt2_token_encodes_whole(ours: BPETokenizer) -> None:
+    """Why the loader may say tokens_encode_whole=True: each of the 50,256 tokens (all but
+    `<|endoftext|>`), encoded from its bytes by the merges alone, is that one token."""
+    assert ours.tokens_encode_whole
+    for token, token_bytes in ours.vocab.items():
+        if token != ours.special_tokens[ENDOFTEXT]:
+            ids = [ours.byte_ids[b] for b in token_bytes]
+            assert encode_chunk(ids, ours.merges, ours.ranks) == [token], token_bytes
 
 
 @pytest.mark.parametrize("corpus", CORPORA)

@@ -195,6 +195,47 @@ def test_long_chunks_encode_as_short_ones(shakespeare: str, small_bpe: BPETokeni
     assert unsplit.encode(text) == reference
 
 
+def _encodes_whole(tokenizer: BPETokenizer, token: int) -> bool:
+    ids = [tokenizer.byte_ids[b] for b in tokenizer.vocab[token]]
+    return encode_chunk(ids, tokenizer.merges, tokenizer.ranks) == [token]
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    text=st.text(alphabet=st.sampled_from("aab bc\né日"), min_size=1, max_size=200),
+    pattern=st.sampled_from([None, GPT2_SPLIT_PATTERN, r"\w+"]),
+    n_merges=st.integers(1, 60),
+)
+def test_trained_tokens_encode_whole(text: str, pattern: str | None, n_merges: int) -> None:
+    """What `train` promises with tokens_encode_whole=True: a token's bytes encode as it."""
+    tokenizer = BPETokenizer.train(text, 256 + n_merges, pattern=pattern)
+    assert tokenizer.tokens_encode_whole
+    assert all(_encodes_whole(tokenizer, token) for token in tokenizer.merges.values())
+
+
+def test_real_trained_tokens_encode_whole(small_bpe: BPETokenizer) -> None:
+    specials = small_bpe.special_tokens.values()
+    assert all(_encodes_whole(small_bpe, t) for t in small_bpe.vocab if t not in specials)
+
+
+def test_tokens_encode_whole_is_claimed_only_where_it_holds(hf_regex, tmp_path) -> None:
+    # (b, c) before (a, b) before (ab, c): the chunk "abc" spells token 258 but encodes as a + bc.
+    vocab = {**{b: bytes([b]) for b in range(256)}, 256: b"bc", 257: b"ab", 258: b"abc"}
+    merges = {(98, 99): 256, (97, 98): 257, (257, 99): 258}
+    assert BPETokenizer(vocab, merges).encode("abc") == [97, 256]
+    assert not _encodes_whole(BPETokenizer(vocab, merges), 258)
+    assert BPETokenizer(vocab, merges, tokens_encode_whole=True).encode("abc") == [258]  # wrong
+    trained = BPETokenizer.train("hello hello", 260)
+    trained.save(tmp_path / "bpe.json")
+    unknown_origin = [
+        BPETokenizer.load(tmp_path / "bpe.json"),
+        BPETokenizer.from_huggingface(hf_regex),
+        BPETokenizer.from_gpt2_files(*_gpt2_files(hf_regex, tmp_path)),
+    ]
+    assert trained.tokens_encode_whole
+    assert not any(tokenizer.tokens_encode_whole for tokenizer in unknown_origin)
+
+
 def test_encode_chunk_applies_merges_in_rank_order() -> None:
     # Merges learned in this order: (b, c) first, then (a, b). "abc" must become a + bc, because
     # (b, c) has the lower rank even though (a, b) comes first in the text.

@@ -56,6 +56,7 @@ from transformer_course.tokenization import (  # what BPETokenizer uses besides 
     _read_json,
     _special_pattern,
     _tables_from_state,
+    _token_ids_by_bytes,
     encode_long_chunk,
     split_chunks,
 )

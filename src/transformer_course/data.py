@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from transformer_course.tokenization import BPETokenizer
+from transformer_course.tokenizer_files import read_gpt2_files
 
 MIRROR_ENV = "TRANSFORMER_COURSE_DATA"
 DOWNLOAD_TIMEOUT_S = 60
@@ -220,4 +221,6 @@ def load_gpt2_tokenizer() -> BPETokenizer:
     Built from the two files OpenAI published (`encoder.json`, `vocab.bpe`), the same files
     tiktoken's `gpt2` encoding and Hugging Face's `gpt2` tokenizer are made from.
     """
-    return BPETokenizer.from_gpt2_files(fetch("gpt2", "encoder.json"), fetch("gpt2", "vocab.bpe"))
+    tables = read_gpt2_files(fetch("gpt2", "encoder.json"), fetch("gpt2", "vocab.bpe"))
+    # tests/test_gpt2_tokenizer.py checks that every token's bytes encode as that token
+    return BPETokenizer(**tables, tokens_encode_whole=True)

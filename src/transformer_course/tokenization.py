@@ -303,6 +303,20 @@ def _byte_ids(vocab: Mapping[int, bytes], special_ids: Iterable[int]) -> list[in
     return [found[b] for b in range(256)]
 
 
+def _token_ids_by_bytes(tokenizer: BPETokenizer) -> dict[bytes, int]:
+    """Each token's bytes -> its id, special tokens aside: the encoding of a chunk that spells a
+    token, for a tokenizer whose tokens all encode whole.
+
+    Not every table has that property: with the merges (b, c), (a, b), (ab, c) in that order,
+    "abc" encodes as a + bc. Every table that BPE training learns has it: a pair is learned
+    where it occurs in the training text, and the merges that built that spot there build it
+    the same way on its own, so `train` says so. The tests check GPT-2's files token by token
+    (`data.load_gpt2_tokenizer` says so too) and trained tokenizers on many texts.
+    """
+    special_ids = set(tokenizer.special_tokens.values())
+    return {token: i for i, token in tokenizer.vocab.items() if i not in special_ids}
+
+
 def _special_pattern(special_tokens: Iterable[str]) -> str:
     """A regex that captures any of the special tokens, the longest first when one contains
     another."""
@@ -445,6 +459,9 @@ class BPETokenizer(Tokenizer):
     constructor refuses tables that disagree (a merge whose bytes are not its pair's, ids
     outside 0..vocab_size-1), since they would encode or decode wrongly without an error.
 
+    `tokens_encode_whole=True` states that every token's bytes encode as that one token, so a
+    chunk that spells a token needs no merges (see `_token_ids_by_bytes` for when that holds).
+
     Course: chapter 1, exercise 1.7, checked by checks.tokenization.check_bpe_encode.
     """
 
@@ -455,6 +472,7 @@ class BPETokenizer(Tokenizer):
         *,
         pattern: str | None = None,
         special_tokens: Mapping[str, int] | None = None,
+        tokens_encode_whole: bool = False,
     ) -> None:
         self.vocab = dict(vocab)
         self.merges = dict(merges)
@@ -467,6 +485,8 @@ class BPETokenizer(Tokenizer):
         specials = _special_pattern(self.special_tokens) if self.special_tokens else None
         self._special_split = None if specials is None else regex.compile(specials)
         self._cache: dict[str, list[int]] = {}  # chunk -> ids: most chunks are words seen before
+        self.tokens_encode_whole = validate.flag("tokens_encode_whole", tokens_encode_whole)
+        self._whole = _token_ids_by_bytes(self) if tokens_encode_whole else {}
 
     @classmethod
     def train(
@@ -501,7 +521,9 @@ class BPETokenizer(Tokenizer):
             vocab[new_id] = vocab[left] + vocab[right]
         specials = {token: len(vocab) + k for k, token in enumerate(special_tokens)}
         vocab.update({i: token.encode("utf-8") for token, i in specials.items()})
-        return cls(vocab, merges, pattern=pattern, special_tokens=specials)
+        return cls(
+            vocab, merges, pattern=pattern, special_tokens=specials, tokens_encode_whole=True
+        )
 
     def encode(self, text: str) -> list[int]:
         """Text to ids: special tokens first, then the pre-split, then merges within each chunk."""
@@ -522,9 +544,13 @@ class BPETokenizer(Tokenizer):
         for chunk in distinct:
             ids = cache.get(chunk)
             if ids is None:
-                byte_ids = list(map(byte_id, chunk.encode("utf-8")))
-                merge = encode_chunk if len(byte_ids) <= SHORT_CHUNK else encode_long_chunk
-                ids = merge(byte_ids, self.merges, self.ranks)
+                data = chunk.encode("utf-8")
+                token = self._whole.get(data)
+                if token is not None:
+                    ids = [token]
+                else:
+                    merge = encode_chunk if len(data) <= SHORT_CHUNK else encode_long_chunk
+                    ids = merge(list(map(byte_id, data)), self.merges, self.ranks)
                 if len(cache) < CACHE_SIZE:
                     cache[chunk] = ids
             distinct[chunk] = ids
@@ -535,8 +561,7 @@ class BPETokenizer(Tokenizer):
         return decode_ids(validate.token_ids("ids", ids, len(self.vocab)), self.vocab)
 
     def save(self, path: str | Path) -> None:
-        """Write the tokenizer as JSON (token bytes in hex), atomically: a crash keeps the old
-        file."""
+        """Write the tokenizer as JSON (token bytes in hex), atomically (a crash keeps the old)."""
         state = {
             "format": FILE_FORMAT,
             "version": FILE_VERSION,
@@ -566,16 +591,14 @@ class BPETokenizer(Tokenizer):
 
     @classmethod
     def from_gpt2_files(cls, vocab_json: str | Path, merges_txt: str | Path) -> BPETokenizer:
-        """GPT-2's `vocab.json` and `merges.txt` (OpenAI's `encoder.json` and `vocab.bpe`), read
-        by `tokenizer_files.read_gpt2_files`."""
+        """GPT-2's `vocab.json` and `merges.txt`, read by `tokenizer_files.read_gpt2_files`."""
         from transformer_course import tokenizer_files  # imported here: it imports this module
 
         return cls(**tokenizer_files.read_gpt2_files(vocab_json, merges_txt))
 
     @classmethod
     def from_huggingface(cls, tokenizer: Any) -> BPETokenizer:
-        """A copy of a Hugging Face `tokenizers.Tokenizer` with a byte-level BPE model, ids
-        identical, read by `tokenizer_files.read_huggingface`."""
+        """A Hugging Face byte-level BPE `tokenizers.Tokenizer`, read by `tokenizer_files`."""
         from transformer_course import tokenizer_files  # imported here: it imports this module
 
         return cls(**tokenizer_files.read_huggingface(tokenizer))
