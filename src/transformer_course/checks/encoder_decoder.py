@@ -702,23 +702,19 @@ class _Tree(EncoderDecoderTransformer):
         return logits
 
 
+def _random_translator(seed: int) -> EncoderDecoderTransformer:
+    """A tiny untrained translator (vocabulary 20, ids 0-2 special) to decode with."""
+    torch.manual_seed(seed)
+    sizes = dict(src_vocab=20, tgt_vocab=20, d_model=16, n_heads=2, n_layers=1, d_mlp=16)
+    cfg = Seq2SeqConfig(**sizes, dropout=0.0, max_len=16)
+    return EncoderDecoderTransformer(cfg)
+
+
 def check_beam_search(fn: Callable[..., list[list[int]]]) -> None:
     """`fn(model, src, *, bos_id, eos_id, max_len, beam_size)`: the likeliest translation among
     the beams, per row, without bos and eos."""
     name = "beam_search"
-    torch.manual_seed(6)
-    model = EncoderDecoderTransformer(
-        Seq2SeqConfig(
-            src_vocab=20,
-            tgt_vocab=20,
-            d_model=16,
-            n_heads=2,
-            n_layers=1,
-            d_mlp=16,
-            dropout=0.0,
-            max_len=16,
-        )
-    ).eval()
+    model = _random_translator(seed=6).eval()
     src = torch.randint(3, 20, (3, 5))
     one = call(name, fn, model, src, bos_id=1, eos_id=2, max_len=8, beam_size=1)
     expect(
@@ -891,19 +887,7 @@ def check_greedy_decode(fn: Callable[..., list[list[int]]]) -> None:
         f"with max_len=5 and no </s>, expected 5 generated tokens per row, got {capped[0]!r}.",
         "generate at most max_len tokens, counting the </s>.",
     )
-    torch.manual_seed(3)
-    model = EncoderDecoderTransformer(
-        Seq2SeqConfig(
-            src_vocab=20,
-            tgt_vocab=20,
-            d_model=16,
-            n_heads=2,
-            n_layers=1,
-            d_mlp=16,
-            dropout=0.0,
-            max_len=16,
-        )
-    )
+    model = _random_translator(seed=3)
     real_src = torch.randint(3, 20, (4, 6))
     real_src[1, 3:] = 0
     expected = greedy_decode(model, real_src, bos_id=1, eos_id=2, max_len=8)
