@@ -18,7 +18,7 @@ medians of `--repeats` rounds with the implementations alternating so machine lo
 
 Hugging Face runs on `--threads` threads (default 1, a like-for-like comparison with Python).
 
-Usage: python benchmarks/tokenization.py [--vocab-size 4096] [--repeats 3] [--threads 1]
+Usage: python benchmarks/tokenization.py [--vocab-size 4096] [--repeats 5] [--threads 1]
                                          [--gpt2-only]
 """
 
@@ -155,7 +155,7 @@ def training(vocab_size: int, repeats: int, threads: int) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--vocab-size", type=int, default=4096)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--threads", type=int, default=1, help="threads for Hugging Face")
     parser.add_argument("--gpt2-only", action="store_true", help="only part 1, GPT-2's real files")
     args = parser.parse_args()

@@ -106,3 +106,17 @@ def test_round_trip_and_tiktoken_agree_on_any_text(
     assert ours.decode(ids) == text
     if ENDOFTEXT not in text:
         assert ids == tiktoken_gpt2.encode_ordinary(text)
+
+
+# Where encoding by words (`encode_ordinary`) could cut wrongly: runs of spaces, other whitespace,
+# and what may follow a space.
+AROUND_SPACES = [" ", "  ", "\n", "\t", "\x1c", "\x85", "\xa0", "\u3000", "a", "é", "1", "'", "s"]
+AROUND_SPACES += [",", "\u0301", "🙂", " the", "'ll"]
+
+
+@settings(max_examples=300, deadline=None)
+@given(text=st.lists(st.sampled_from(AROUND_SPACES), max_size=40).map("".join))
+def test_tiktoken_agrees_around_spaces(
+    text: str, ours: BPETokenizer, tiktoken_gpt2: tiktoken.Encoding
+) -> None:
+    assert ours.encode_ordinary(text) == tiktoken_gpt2.encode_ordinary(text)

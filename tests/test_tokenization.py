@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import json
 import os
+import random
+import re
 
 import numpy as np
 import pytest
@@ -22,6 +24,7 @@ from transformer_course.data import load_text
 from transformer_course.tokenization import (
     GPT2_SPLIT_PATTERN,
     SHORT_CHUNK,
+    SPACE_BEFORE_WORD,
     BPETokenizer,
     CharTokenizer,
     encode_chunk,
@@ -587,7 +590,64 @@ def test_cache_changes_no_ids(small_bpe: BPETokenizer, shakespeare: str, monkeyp
         special_tokens=small_bpe.special_tokens,
     )
     assert uncached.encode(text) == first
-    assert not uncached._cache
+    assert not uncached._chunk_cache and not uncached._word_cache
+
+
+# --- encoding by words: GPT-2's pattern never crosses a space before a non-space ---------------
+
+# The characters where that could go wrong: spaces, other whitespace (`\x1c` is whitespace to
+# `re` but not to `regex`), letters, digits, a contraction's pieces, symbols, combining marks.
+BOUNDARY_CHARACTERS = [" ", "  ", "\n", "\t", "\r\n", "\x1c", "\x85", "\xa0", "\u2003", "\u3000"]
+BOUNDARY_CHARACTERS += ["a", "Z", "é", "日", "1", "²", "'", "s", "ll", ",", "-", "\u0301", "🙂"]
+
+
+def test_re_whitespace_covers_regex_whitespace() -> None:
+    """`SPACE_BEFORE_WORD` uses `re`; GPT-2's pattern uses `regex`. A character `regex` calls
+    whitespace but `re` does not would make a false cut, so none may exist in all of Unicode."""
+    every = "".join(map(chr, range(0x110000)))
+    assert set(regex.findall(r"\s", every)) <= set(re.findall(r"\s", every))
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.sampled_from(BOUNDARY_CHARACTERS), max_size=30).map("".join))
+def test_chunks_never_cross_a_space_before_a_non_space(text: str) -> None:
+    split = regex.compile(GPT2_SPLIT_PATTERN)
+    first, *words = SPACE_BEFORE_WORD.split(text)
+    by_words = split_chunks(first, split)
+    for word in words:
+        by_words += split_chunks(" " + word, split)
+    assert by_words == split_chunks(text, split)
+
+
+BOUNDARY_WORDS = [*BOUNDARY_CHARACTERS, " the", " thee", EOT]
+
+
+@pytest.fixture(scope="module")
+def boundary_bpe() -> BPETokenizer:
+    """A tokenizer with merges for runs of whitespace, so a wrong cut changes the ids."""
+    text = "".join(random.Random(0).choices(BOUNDARY_WORDS, k=5000))
+    return BPETokenizer.train(text, 400, pattern=GPT2_SPLIT_PATTERN, special_tokens=[EOT])
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.sampled_from(BOUNDARY_WORDS), max_size=30).map("".join))
+def test_encoding_by_words_gives_the_ids_of_encoding_by_chunks(
+    boundary_bpe: BPETokenizer, text: str
+) -> None:
+    assert boundary_bpe._word_cache is not None  # GPT-2's pattern: encode_ordinary goes by words
+    by_chunks = boundary_bpe._encode_chunks(split_chunks(text, boundary_bpe._split))
+    assert boundary_bpe.encode_ordinary(text) == by_chunks
+    assert boundary_bpe.decode(by_chunks) == text
+
+
+def test_encode_ordinary_reads_special_tokens_as_text(small_bpe: BPETokenizer) -> None:
+    text = f"Farewell.{EOT} ROMEO:"
+    ordinary = small_bpe.encode_ordinary(text)
+    assert small_bpe.special_tokens[EOT] not in ordinary
+    assert small_bpe.decode(ordinary) == text
+    assert ordinary != small_bpe.encode(text)
+    with pytest.raises(TypeError, match="text: expected a str, got bytes"):
+        small_bpe.encode_ordinary(b"ROMEO")
 
 
 def test_constructors_build_the_class_they_are_called_on(hf_regex, tmp_path) -> None:

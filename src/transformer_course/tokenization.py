@@ -16,8 +16,9 @@ from __future__ import annotations
 
 import heapq
 import json
+import re
 from collections import Counter
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from itertools import chain
 from numbers import Integral
 from pathlib import Path
@@ -30,6 +31,7 @@ from transformer_course.files import atomic_write
 
 __all__ = [
     "GPT2_SPLIT_PATTERN",
+    "SPACE_BEFORE_WORD",
     "BPETokenizer",
     "CharTokenizer",
     "TokenPair",
@@ -51,9 +53,14 @@ GPT2_SPLIT_PATTERN = (
     r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
 )
 
+# No chunk of GPT-2's pattern crosses a space that comes before a non-space character, so text
+# can be cut there first, fast. `re`'s \s covers every character `regex`'s \s covers (the tests
+# check all of Unicode), so each cut it finds is one the pattern makes too.
+SPACE_BEFORE_WORD = re.compile(r" (?=\S)")
+
 FILE_FORMAT = "transformer_course.bpe"
 FILE_VERSION = 1
-CACHE_SIZE = 1_000_000  # chunks whose encoding a BPETokenizer remembers
+CACHE_SIZE = 1_000_000  # chunks (and words) whose encoding a BPETokenizer remembers
 SHORT_CHUNK = 48  # up to this many bytes, encode_chunk's scan beats encode_long_chunk's heap
 
 
@@ -397,6 +404,21 @@ def _tables_from_state(state: dict[str, Any]) -> dict[str, Any]:
 # --- tokenizers ------------------------------------------------------------------------------
 
 
+class _Memo(dict):
+    """A dict that fills in a missing key with `compute(key)` and remembers it, up to `CACHE_SIZE`
+    keys: most chunks (and words) of a text were seen before, so each is merged once."""
+
+    def __init__(self, compute: Callable[[str], tuple[int, ...]]) -> None:
+        super().__init__()
+        self.compute = compute
+
+    def __missing__(self, key: str) -> tuple[int, ...]:
+        value = self.compute(key)
+        if len(self) < CACHE_SIZE:
+            self[key] = value
+        return value
+
+
 class Tokenizer:
     """The interface every tokenizer here has: `encode`, `decode` and `vocab_size`.
 
@@ -484,9 +506,12 @@ class BPETokenizer(Tokenizer):
         self._split = None if pattern is None else regex.compile(pattern)
         specials = _special_pattern(self.special_tokens) if self.special_tokens else None
         self._special_split = None if specials is None else regex.compile(specials)
-        self._cache: dict[str, list[int]] = {}  # chunk -> ids: most chunks are words seen before
         self.tokens_encode_whole = validate.flag("tokens_encode_whole", tokens_encode_whole)
         self._whole = _token_ids_by_bytes(self) if tokens_encode_whole else {}
+        self._chunk_cache = _Memo(self._merge_chunk)
+        self._word_cache: dict[str, tuple[int, ...]] | None = None
+        if pattern == GPT2_SPLIT_PATTERN:  # encode_ordinary goes by words
+            self._word_cache = {}
 
     @classmethod
     def train(
@@ -534,27 +559,52 @@ class BPETokenizer(Tokenizer):
             if k % 2:  # split() puts the separators (here: special tokens) at odd positions
                 ids.append(self.special_tokens[piece])
             else:
-                ids += self._encode_chunks(split_chunks(piece, self._split))
+                ids += self.encode_ordinary(piece)
         return ids
 
-    def _encode_chunks(self, chunks: list[str]) -> list[int]:
-        """The ids of each chunk, merged on its own. Most chunks of a text are words seen before,
-        so each distinct chunk is encoded once, and remembered (up to `CACHE_SIZE` chunks)."""
-        distinct, cache, byte_id = dict.fromkeys(chunks), self._cache, self.byte_ids.__getitem__
-        for chunk in distinct:
-            ids = cache.get(chunk)
-            if ids is None:
-                data = chunk.encode("utf-8")
-                token = self._whole.get(data)
-                if token is not None:
-                    ids = [token]
-                else:
-                    merge = encode_chunk if len(data) <= SHORT_CHUNK else encode_long_chunk
-                    ids = merge(list(map(byte_id, data)), self.merges, self.ranks)
-                if len(cache) < CACHE_SIZE:
-                    cache[chunk] = ids
-            distinct[chunk] = ids
-        return list(chain.from_iterable(map(distinct.__getitem__, chunks)))
+    def encode_ordinary(self, text: str) -> list[int]:
+        """Text to ids, special tokens read as plain text: the pre-split, then the merges.
+
+        With GPT-2's pattern the text is first cut at each space before a non-space (see
+        `SPACE_BEFORE_WORD`) into words such as " king," that repeat, and each distinct word
+        is split into chunks and merged once.
+        """
+        validate.text("text", text, utf8=True)
+        if self._word_cache is None:
+            return self._encode_chunks(split_chunks(text, self._split))
+        first, *words = SPACE_BEFORE_WORD.split(text)
+        new = [word for word in dict.fromkeys(words) if word not in self._word_cache]
+        if len(self._word_cache) + len(new) > CACHE_SIZE:  # too many words to remember
+            return self._encode_chunks(split_chunks(text, self._split))
+        self._learn_words(new)
+        ids = self._encode_chunks(split_chunks(first, self._split))
+        ids += chain.from_iterable(map(self._word_cache.__getitem__, words))
+        return ids
+
+    def _learn_words(self, words: list[str]) -> None:
+        """Remember the ids of " " + word for each word. One regex pass splits them all: joined as
+        " w1 w2 ...", the words cut into the same chunks as each " " + word on its own."""
+        chunks = iter(self._split.findall(" " + " ".join(words)))
+        for word in words:
+            ids, left = [], 1 + len(word)
+            while left > 0:  # the chunks of " " + word, which add up to its length
+                chunk = next(chunks)
+                ids += self._chunk_cache[chunk]
+                left -= len(chunk)
+            self._word_cache[word] = tuple(ids)
+
+    def _encode_chunks(self, chunks: Iterable[str]) -> list[int]:
+        """The ids of each chunk, merged on its own (and remembered)."""
+        return list(chain.from_iterable(map(self._chunk_cache.__getitem__, chunks)))
+
+    def _merge_chunk(self, chunk: str) -> tuple[int, ...]:
+        """One chunk's ids: the token it spells, if tokens encode whole, else the merges' result."""
+        data = chunk.encode("utf-8")
+        token = self._whole.get(data)
+        if token is not None:
+            return (token,)
+        merge = encode_chunk if len(data) <= SHORT_CHUNK else encode_long_chunk
+        return tuple(merge([self.byte_ids[b] for b in data], self.merges, self.ranks))
 
     def decode(self, ids: Iterable[int]) -> str:
         """Ids to text; bytes are joined before UTF-8 decoding, so split characters survive."""
