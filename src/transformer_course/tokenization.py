@@ -53,15 +53,15 @@ GPT2_SPLIT_PATTERN = (
     r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
 )
 
+FILE_FORMAT = "transformer_course.bpe"
+FILE_VERSION = 1
+CACHE_SIZE = 1_000_000  # chunks, and words, whose ids a BPETokenizer remembers (each)
+SHORT_CHUNK = 48  # up to this many bytes, encode_chunk's scan beats encode_long_chunk's heap
+
 # No chunk of GPT-2's pattern crosses a space that comes before a non-space character, so text
 # can be cut there first, fast. `re`'s \s covers every character `regex`'s \s covers (the tests
 # check all of Unicode), so each cut it finds is one the pattern makes too.
 SPACE_BEFORE_WORD = re.compile(r" (?=\S)")
-
-FILE_FORMAT = "transformer_course.bpe"
-FILE_VERSION = 1
-CACHE_SIZE = 1_000_000  # chunks (and words) whose encoding a BPETokenizer remembers
-SHORT_CHUNK = 48  # up to this many bytes, encode_chunk's scan beats encode_long_chunk's heap
 
 
 # --- the building blocks (the workbook's exercises) -----------------------------------------
@@ -406,7 +406,7 @@ def _tables_from_state(state: dict[str, Any]) -> dict[str, Any]:
 
 class _Memo(dict):
     """A dict that fills in a missing key with `compute(key)` and remembers it, up to `CACHE_SIZE`
-    keys: most chunks (and words) of a text were seen before, so each is merged once."""
+    keys: most chunks of a text were seen before, so each is merged once."""
 
     def __init__(self, compute: Callable[[str], tuple[int, ...]]) -> None:
         super().__init__()
