@@ -174,20 +174,29 @@ def decoder_layer_state(layer: torch.nn.TransformerDecoderLayer) -> dict[str, to
     }
 
 
-@pytest.mark.parametrize(("dtype", "atol"), [(torch.float64, 1e-10), (torch.float32, 1e-5)])
-def test_post_ln_block_matches_torch_encoder_layer_with_causal_mask(dtype, atol):
-    generator = torch.Generator().manual_seed(0)
-    reference = torch.nn.TransformerEncoderLayer(
+def torch_layer(layer_class, generator, *, norm: str, activation: str, dtype: torch.dtype):
+    """A randomized `nn.TransformerEncoderLayer` or `DecoderLayer` at the test's sizes, in eval
+    mode with no dropout: the reference our block is loaded from."""
+    reference = layer_class(
         D_MODEL,
         N_HEADS,
         dim_feedforward=D_MLP,
         dropout=0.0,
-        activation="gelu",
+        activation=activation,
         batch_first=True,
-        norm_first=False,
+        norm_first=norm == "pre",
         dtype=dtype,
     ).eval()
     randomize_(reference, generator)
+    return reference
+
+
+@pytest.mark.parametrize(("dtype", "atol"), [(torch.float64, 1e-10), (torch.float32, 1e-5)])
+def test_post_ln_block_matches_torch_encoder_layer_with_causal_mask(dtype, atol):
+    generator = torch.Generator().manual_seed(0)
+    reference = torch_layer(
+        torch.nn.TransformerEncoderLayer, generator, norm="post", activation="gelu", dtype=dtype
+    )
     ours = TransformerBlock(D_MODEL, N_HEADS, D_HEAD, D_MLP, norm="post", act_fn="gelu").to(dtype)
     ours.load_state_dict(encoder_layer_state(reference), strict=True)
     x = torch.randn(3, 9, D_MODEL, generator=generator, dtype=dtype)
@@ -267,17 +276,9 @@ def test_half_precision_block_with_a_large_residual_stream(dtype):
 def test_encoder_block_matches_torch_encoder_layer(norm, dtype, atol):
     """`causal=False`: every position sees every other, except the padding `mask` hides."""
     generator = torch.Generator().manual_seed(3)
-    reference = torch.nn.TransformerEncoderLayer(
-        D_MODEL,
-        N_HEADS,
-        dim_feedforward=D_MLP,
-        dropout=0.0,
-        activation="relu",
-        batch_first=True,
-        norm_first=norm == "pre",
-        dtype=dtype,
-    ).eval()
-    randomize_(reference, generator)
+    reference = torch_layer(
+        torch.nn.TransformerEncoderLayer, generator, norm=norm, activation="relu", dtype=dtype
+    )
     ours = TransformerBlock(D_MODEL, N_HEADS, D_HEAD, D_MLP, norm=norm, act_fn="relu", causal=False)
     ours.to(dtype).load_state_dict(encoder_layer_state(reference), strict=True)
     tokens = torch.tensor([[5, 6, 7, 8, 9], [3, 4, 0, 0, 0]])
@@ -293,17 +294,9 @@ def test_decoder_block_matches_torch_decoder_layer(norm, dtype, atol):
     """`cross_attention=True`: causal self-attention, then queries from the stream attend to the
     `context` (keys and values), with the context's padding hidden, then the MLP."""
     generator = torch.Generator().manual_seed(4)
-    reference = torch.nn.TransformerDecoderLayer(
-        D_MODEL,
-        N_HEADS,
-        dim_feedforward=D_MLP,
-        dropout=0.0,
-        activation="relu",
-        batch_first=True,
-        norm_first=norm == "pre",
-        dtype=dtype,
-    ).eval()
-    randomize_(reference, generator)
+    reference = torch_layer(
+        torch.nn.TransformerDecoderLayer, generator, norm=norm, activation="relu", dtype=dtype
+    )
     ours = TransformerBlock(
         D_MODEL, N_HEADS, D_HEAD, D_MLP, norm=norm, act_fn="relu", cross_attention=True
     )
