@@ -76,6 +76,16 @@ def step_timer(
     return step
 
 
+def print_profile(name: str, step: Callable[[], float], n: int) -> None:
+    """The operators that took the most device time over `n` steps."""
+    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=activities) as prof:
+        for _ in range(n):
+            step()
+    print(f"--- {name}: {n} steps")
+    print(prof.key_averages().table(sort_by="self_device_time_total", row_limit=15))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--size", choices=sorted(SIZES), default="baby")
@@ -84,6 +94,9 @@ def main() -> None:
     parser.add_argument("--compile", action="store_true")
     parser.add_argument(
         "--peak-tflops", type=float, default=989.0, help="device peak (H100 SXM dense bf16: 989)"
+    )
+    parser.add_argument(
+        "--profile-steps", type=int, default=0, help="then profile this many steps of each model"
     )
     args = parser.parse_args()
 
@@ -107,15 +120,17 @@ def main() -> None:
     torch.manual_seed(0)
     hf = GPT2LMHeadModel(hf_config).to(device).train()
     ours = set_fast_path(GPT2.from_huggingface(hf)).to(device).train()
-    if args.compile:
+    loss = lm_loss
+    if args.compile:  # Hugging Face's loss is part of its forward, so ours is compiled too
         hf.compile()
         ours.compile()
+        loss = torch.compile(lm_loss)
     tokens = torch.randint(
         0, size["vocab_size"], (size["batch"], size["n_positions"]), device=device
     )
 
     timers = {
-        "ours": step_timer(ours, lambda m, t: lm_loss(m(t)[:, :-1], t[:, 1:]), tokens, amp),
+        "ours": step_timer(ours, lambda m, t: loss(m(t)[:, :-1], t[:, 1:]), tokens, amp),
         "huggingface": step_timer(hf, lambda m, t: m(t, labels=t).loss, tokens, amp),
     }
     for timer in timers.values():
@@ -126,6 +141,9 @@ def main() -> None:
         for name, timer in timers.items():
             times[name].append(timer())
 
+    for name, timer in timers.items():
+        if args.profile_steps:
+            print_profile(name, timer, args.profile_steps)
     per_token = flops_per_token(ours, tokens.shape[1])
     n_tokens = tokens.numel()
     report = {

@@ -272,9 +272,12 @@ def test_mha_matches_torch_multihead_attention_with_key_padding(fast):
     torch.testing.assert_close(mine(x, mask=causal_mask(5)), expected, atol=1e-12, rtol=0)
 
 
+@pytest.mark.parametrize("bias", [True, False])
 @pytest.mark.parametrize("mask_kind", ["none", "causal", "padding", "cross", "empty_rows"])
-def test_fast_path_equals_einsum_path(mask_kind):
-    mine = _randomise(MultiHeadAttention(16, 4).double(), seed=3)
+def test_fast_path_equals_einsum_path(mask_kind, bias):
+    """Same outputs, gradients and q, k, v hooks; the fast path projects self-attention's q, k
+    and v with one matmul."""
+    mine = _randomise(MultiHeadAttention(16, 4, bias=bias).double(), seed=3)
     x = torch.randn(2, 6, 16, dtype=torch.float64)
     context, mask = None, None
     if mask_kind == "causal":
@@ -292,10 +295,13 @@ def test_fast_path_equals_einsum_path(mask_kind):
         mine.fast_path = fast
         mine.zero_grad()
         inp = x.clone().requires_grad_()
-        out = mine(inp, context, mask)
+        out, cache = mine.run_with_cache(inp, context, mask)
         out.backward(torch.ones_like(out))
-        results.append((out, inp.grad, [p.grad.clone() for p in mine.parameters()]))
-    (out_e, gx_e, gp_e), (out_f, gx_f, gp_f) = results
+        qkv = [cache[f"hook_{name}"] for name in "qkv"]
+        results.append((out, inp.grad, [p.grad.clone() for p in mine.parameters()], qkv))
+    (out_e, gx_e, gp_e, qkv_e), (out_f, gx_f, gp_f, qkv_f) = results
+    for a, b in zip(qkv_f, qkv_e):
+        torch.testing.assert_close(a, b, atol=1e-12, rtol=0)
     torch.testing.assert_close(out_f, out_e, atol=1e-12, rtol=0)
     torch.testing.assert_close(gx_f, gx_e, atol=1e-11, rtol=0)
     for a, b in zip(gp_f, gp_e):

@@ -201,9 +201,20 @@ class MultiHeadAttention(HookedRootModule):
             )
             return out if b is None else out + b
 
-        q = self.hook_q(project(x, self.W_Q, self.b_Q))
-        k = self.hook_k(project(context, self.W_K, self.b_K))
-        v = self.hook_v(project(context, self.W_V, self.b_V))
+        if self.fast_path and context is x:  # self-attention: one matmul for q, k and v
+            W = torch.cat([self.W_Q, self.W_K, self.W_V], dim=-1)
+            b = None if self.b_Q is None else torch.cat([self.b_Q, self.b_K, self.b_V], dim=-1)
+            q, k, v = project(x, W, b).split(self.d_head, dim=-1)
+        else:
+            q, k, v = (
+                project(inp, W, b)
+                for inp, W, b in (
+                    (x, self.W_Q, self.b_Q),
+                    (context, self.W_K, self.b_K),
+                    (context, self.W_V, self.b_V),
+                )
+            )
+        q, k, v = self.hook_q(q), self.hook_k(k), self.hook_v(v)
         # Heads become a batch dimension: (batch, head, pos, d_head).
         q, k, v = (
             einops.rearrange(t, "batch pos head d_head -> batch head pos d_head") for t in (q, k, v)
