@@ -17,6 +17,13 @@ import pytest
 
 os.environ["HF_HUB_OFFLINE"] = "1"
 
+# Every jaxtyping annotation in the package is checked at run time while the tests run (a wrong
+# shape, or a wrong shape annotation, fails the test): tests/shape_checks.py.
+sys.path.insert(0, str(Path(__file__).resolve().parent / "tests"))
+import shape_checks  # noqa: E402
+
+shape_checks.install()
+
 ROOT = Path(__file__).resolve().parent
 BOOK_DIR = ROOT / "book"
 BUILD_DIR = ROOT / "_build"

@@ -3,8 +3,8 @@
 Profiles reproduce nanoGPT's shakespeare_char runs:
 
     python scripts/train_gpt2.py --profile baby   # CPU "baby GPT": 4 layers, 4 heads, 128 wide,
-                                                  # block 64, batch 12, 2000 steps; val loss ~1.88
-    python scripts/train_gpt2.py --profile full   # GPU: 6/6/384, block 256, batch 64, dropout 0.3,
+                                                  # n_ctx 64, batch 12, 2000 steps; val loss ~1.88
+    python scripts/train_gpt2.py --profile full   # GPU: 6/6/384, n_ctx 256, batch 64, dropout 0.3,
                                                   # 2000 steps (nanoGPT: 5000); val loss ~1.47
 
 Training keeps the model with the lowest validation loss (nanoGPT saves a checkpoint only when
@@ -56,17 +56,17 @@ from transformer_course.training import (
 # fmt: off
 PROFILES = {
     "baby": dict(
-        n_layers=4, n_heads=4, d_model=128, block_size=64, batch_size=12, max_steps=2000, lr=1e-3,
+        n_layers=4, n_heads=4, d_model=128, n_ctx=64, batch_size=12, max_steps=2000, lr=1e-3,
         min_lr=1e-4, warmup_steps=100, dropout=0.0, eval_every=250, eval_batches=200,
     ),
     "full": dict(
-        n_layers=6, n_heads=6, d_model=384, block_size=256, batch_size=64, max_steps=2000, lr=1e-3,
+        n_layers=6, n_heads=6, d_model=384, n_ctx=256, batch_size=64, max_steps=2000, lr=1e-3,
         min_lr=1e-4, warmup_steps=100, dropout=0.3, eval_every=125, eval_batches=200,
     ),
 }
 # fmt: on
 COMMON = dict(weight_decay=0.1, beta1=0.9, beta2=0.99, grad_clip=1.0, seed=1337, bpe_vocab=512)
-AT_LEAST_ONE = ("n_layers", "n_heads", "d_model", "block_size", "batch_size", "eval_batches")
+AT_LEAST_ONE = ("n_layers", "n_heads", "d_model", "n_ctx", "batch_size", "eval_batches")
 LOSSES = ("train_loss", "val_loss")
 Tokenizer = CharTokenizer | BPETokenizer
 
@@ -93,6 +93,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     for name, value in {**PROFILES["baby"], **COMMON}.items():
         parser.add_argument(f"--{name.replace('_', '-')}", type=type(value), default=None)
+    parser.add_argument("--block-size", dest="n_ctx", type=int, help="nanoGPT's name for --n-ctx")
     args = parser.parse_args(argv)
     for name, value in {**PROFILES[args.profile], **COMMON}.items():
         if getattr(args, name) is None:
@@ -120,7 +121,7 @@ def model_config(args: argparse.Namespace, d_vocab: int) -> GPT2Config:
         n_layers=args.n_layers,
         n_heads=args.n_heads,
         d_vocab=d_vocab,
-        n_ctx=args.block_size,
+        n_ctx=args.n_ctx,
         dropout=args.dropout,
         tie_embeddings=args.tie_embeddings,
     )
@@ -225,7 +226,7 @@ def main(argv: list[str] | None = None) -> dict:
     def get_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The step's global batch, drawn identically on every rank; this rank keeps its slice."""
         generator = torch.Generator().manual_seed(args.seed * 1_000_003 + step)
-        x, y = sample_batch(train_data, args.batch_size, args.block_size, generator=generator)
+        x, y = sample_batch(train_data, args.batch_size, args.n_ctx, generator=generator)
         rows = slice(rank * per_rank, (rank + 1) * per_rank)
         return x[rows].to(device), y[rows].to(device)
 
@@ -235,9 +236,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     def evaluate(_: torch.nn.Module) -> dict[str, float]:
         generator = torch.Generator().manual_seed(args.seed)
-        sizes = dict(
-            batch_size=args.batch_size, block_size=args.block_size, n_batches=args.eval_batches
-        )
+        sizes = dict(batch_size=args.batch_size, n_ctx=args.n_ctx, n_batches=args.eval_batches)
         return {
             "train_loss": estimate_loss(model, train_data, generator=generator, **sizes),
             "val_loss": estimate_loss(model, val_data, generator=generator, **sizes),

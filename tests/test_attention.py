@@ -512,3 +512,22 @@ def test_mha_input_of_another_dtype_names_the_argument_and_both_dtypes():
         mha(x, x.half())
     with torch.autocast("cpu", dtype=torch.bfloat16):  # autocast casts inputs and weights itself
         assert mha(x.bfloat16()).shape == (2, 3, 8)
+
+
+@pytest.mark.parametrize("fast", [False, True])
+def test_a_key_mask_of_any_broadcastable_shape_works_as_in_torch(fast):
+    """A mask of shape (k_len,) or (1, k_len) broadcasts over batch, heads and queries, as
+    `F.scaled_dot_product_attention` accepts it: same output as the full mask."""
+    generator = torch.Generator().manual_seed(8)
+    q = torch.randn(2, 3, 4, 8, generator=generator, dtype=torch.float64)
+    keys = torch.tensor([True, False, True, True, False])
+    full = keys.expand(2, 3, 4, 5)
+    k = torch.randn(2, 3, 5, 8, generator=generator, dtype=torch.float64)
+    v = torch.randn(2, 3, 5, 8, generator=generator, dtype=torch.float64)
+    expected = F.scaled_dot_product_attention(q, k, v, attn_mask=full)
+    for mask in (keys, keys[None]):
+        out, _ = scaled_dot_product_attention(q, k, v, mask)
+        torch.testing.assert_close(out, expected, atol=1e-12, rtol=0)
+    mha = _randomise(MultiHeadAttention(16, 4, fast_path=fast).double(), seed=9)
+    x = torch.randn(2, 5, 16, generator=generator, dtype=torch.float64)
+    torch.testing.assert_close(mha(x, mask=keys), mha(x, mask=keys.expand(2, 1, 5, 5)))

@@ -69,7 +69,7 @@ def test_blanks_fail_with_the_hint():
 
 
 def test_independent_positional_encoding_passes():
-    def loops(max_len, d_model):
+    def loops(seq_len, d_model):
         return torch.tensor(
             [
                 [
@@ -78,7 +78,7 @@ def test_independent_positional_encoding_passes():
                     else math.cos(p / 10000 ** ((i - 1) / d_model))
                     for i in range(d_model)
                 ]
-                for p in range(max_len)
+                for p in range(seq_len)
             ]
         )
 
@@ -86,8 +86,8 @@ def test_independent_positional_encoding_passes():
 
 
 def test_sin_cos_swapped_is_caught():
-    def swapped(max_len, d_model):
-        pe = sinusoidal_positional_encoding(max_len, d_model)
+    def swapped(seq_len, d_model):
+        pe = sinusoidal_positional_encoding(seq_len, d_model)
         return torch.stack([pe[:, 1::2], pe[:, 0::2]], dim=-1).flatten(
             -2
         )  # cos on even dims, sin on odd
@@ -97,8 +97,8 @@ def test_sin_cos_swapped_is_caught():
 
 
 def test_concatenated_halves_are_caught():
-    def halves(max_len, d_model):
-        pe = sinusoidal_positional_encoding(max_len, d_model)
+    def halves(seq_len, d_model):
+        pe = sinusoidal_positional_encoding(seq_len, d_model)
         return torch.cat([pe[:, 0::2], pe[:, 1::2]], dim=-1)
 
     with pytest.raises(CheckFailure, match="interleaved"):
@@ -148,22 +148,28 @@ def test_padding_counted_in_the_loss_is_caught():
 
 
 def test_greedy_decode_bugs_are_caught():
-    def keeps_bos(model, src, *, bos_id, eos_id, max_len):
+    def keeps_bos(model, src, *, bos_id, eos_id, max_new_tokens):
         return [
             [bos_id] + row
-            for row in greedy_decode(model, src, bos_id=bos_id, eos_id=eos_id, max_len=max_len)
+            for row in greedy_decode(
+                model, src, bos_id=bos_id, eos_id=eos_id, max_new_tokens=max_new_tokens
+            )
         ]
 
     with pytest.raises(CheckFailure, match="start token"):
         check_greedy_decode(keeps_bos)
 
-    def ignores_max_len(model, src, *, bos_id, eos_id, max_len):
+    def ignores_max_new_tokens(model, src, *, bos_id, eos_id, max_new_tokens):
         return greedy_decode(
-            model, src, bos_id=bos_id, eos_id=eos_id, max_len=min(max_len + 2, model.cfg.max_len)
+            model,
+            src,
+            bos_id=bos_id,
+            eos_id=eos_id,
+            max_new_tokens=min(max_new_tokens + 2, model.cfg.n_ctx),
         )
 
-    with pytest.raises(CheckFailure, match="max_len=5"):
-        check_greedy_decode(ignores_max_len)
+    with pytest.raises(CheckFailure, match="max_new_tokens=5"):
+        check_greedy_decode(ignores_max_new_tokens)
 
 
 # ---- families: train mode and dropout, optional arguments, rows that differ, numerics ----------
@@ -218,10 +224,10 @@ def test_an_ignore_index_that_must_be_given_is_caught():
 
 
 def test_greedy_decoding_that_stops_with_the_first_finished_row_is_caught():
-    def stops_early(model, src, *, bos_id, eos_id, max_len):
+    def stops_early(model, src, *, bos_id, eos_id, max_new_tokens):
         memory, mask = model.encode(src), model.src_mask(src)
         ys = torch.full((src.shape[0], 1), bos_id)
-        for _ in range(max_len):
+        for _ in range(max_new_tokens):
             next_token = model.decode(ys, memory, mask)[:, -1].argmax(-1)
             if (next_token == eos_id).any():  # the bug: one finished row ends every row
                 break
@@ -243,12 +249,12 @@ def test_valid_alternatives_pass():
             ignore_index=-100 if ignore_index is None else ignore_index,
         )
 
-    def row_by_row(model, src, *, bos_id, eos_id, max_len):
+    def row_by_row(model, src, *, bos_id, eos_id, max_new_tokens):
         rows = []
         for row in range(src.shape[0]):
             one = src[row : row + 1]
             memory, mask, ys = model.encode(one), model.src_mask(one), [bos_id]
-            while len(ys) <= max_len:
+            while len(ys) <= max_new_tokens:
                 next_id = model.decode(torch.tensor([ys]), memory, mask)[0, -1].argmax().item()
                 if next_id == eos_id:
                     break
@@ -323,14 +329,19 @@ def test_schedule_bugs_are_named():
 def test_beam_search_that_is_greedy_or_shares_beams_across_rows_is_caught():
     with pytest.raises(CheckFailure, match="greedy translations"):
         check_beam_search(
-            lambda model, src, *, bos_id, eos_id, max_len, beam_size=4: greedy_decode(
-                model, src, bos_id=bos_id, eos_id=eos_id, max_len=max_len
+            lambda model, src, *, bos_id, eos_id, max_new_tokens, beam_size=4: greedy_decode(
+                model, src, bos_id=bos_id, eos_id=eos_id, max_new_tokens=max_new_tokens
             )
         )
 
-    def first_row_only(model, src, *, bos_id, eos_id, max_len, beam_size=4):
+    def first_row_only(model, src, *, bos_id, eos_id, max_new_tokens, beam_size=4):
         best = beam_search(
-            model, src[:1], bos_id=bos_id, eos_id=eos_id, max_len=max_len, beam_size=beam_size
+            model,
+            src[:1],
+            bos_id=bos_id,
+            eos_id=eos_id,
+            max_new_tokens=max_new_tokens,
+            beam_size=beam_size,
         )
         return best * src.shape[0]
 
@@ -339,16 +350,19 @@ def test_beam_search_that_is_greedy_or_shares_beams_across_rows_is_caught():
 
 
 def test_an_exhaustive_search_passes_as_a_beam_search():
-    """Scoring every full hypothesis up to max_len is a valid (slow) alternative on small trees."""
+    """Scoring every full hypothesis up to max_new_tokens is a valid (slow) alternative on small
+    trees."""
 
-    def exhaustive(model, src, *, bos_id, eos_id, max_len, beam_size=4):
+    def exhaustive(model, src, *, bos_id, eos_id, max_new_tokens, beam_size=4):
         if beam_size == 1:
-            return greedy_decode(model, src, bos_id=bos_id, eos_id=eos_id, max_len=max_len)
+            return greedy_decode(
+                model, src, bos_id=bos_id, eos_id=eos_id, max_new_tokens=max_new_tokens
+            )
         rows = []
         for row in src:
             memory, mask = model.encode(row[None]), model.src_mask(row[None])
             live, done = [([bos_id], 0.0)], []
-            for _ in range(max_len):
+            for _ in range(max_new_tokens):
                 grown = []
                 for ids, score in live:
                     log_probs = model.decode(torch.tensor([ids]), memory, mask)[0, -1].log_softmax(

@@ -90,7 +90,7 @@ def blank_generate(model, tokens, max_new_tokens, *, temperature=1.0, top_k=None
     raise NotImplementedError("loop: crop, forward, last logits, sample, append")
 
 
-def blank_sample_batch(data, batch_size, block_size, *, generator=None):
+def blank_sample_batch(data, batch_size, n_ctx, *, generator=None):
     raise NotImplementedError("Exercise 6.10: write sample_batch (hints below the cell)")
 
 
@@ -408,16 +408,16 @@ def _windows(*, shift=1, low=0, high_extra=0, per_row=True, use_generator=True, 
     """A sample_batch with one knob turned wrong at a time; `shift=1` and the rest as given is
     the reference's behaviour, written as nanoGPT writes it (a list of slices)."""
 
-    def sample(data, batch_size, block_size, *, generator=None):
+    def sample(data, batch_size, n_ctx, *, generator=None):
         if own_seed:
             generator = torch.Generator().manual_seed(0)
         if not use_generator:
             generator = None
-        high = len(data) - block_size + high_extra
+        high = len(data) - n_ctx + high_extra
         starts = torch.randint(low, high, (batch_size if per_row else 1,), generator=generator)
         starts = starts.expand(batch_size)
-        x = torch.stack([data[i : i + block_size] for i in starts.tolist()])
-        y = torch.stack([data[i + shift : i + shift + block_size] for i in starts.tolist()])
+        x = torch.stack([data[i : i + n_ctx] for i in starts.tolist()])
+        y = torch.stack([data[i + shift : i + shift + n_ctx] for i in starts.tolist()])
         return x, y
 
     return sample
@@ -433,7 +433,7 @@ def test_sample_batch_alternative_passes(capsys):
     [
         ({"shift": 0}, ["not x shifted", "the inputs themselves"]),
         ({"low": 1, "shift": -1}, ["one token before"]),
-        ({"high_extra": -1}, ["last window", "len(data) - block_size - 1"]),
+        ({"high_extra": -1}, ["last window", "len(data) - n_ctx - 1"]),
         ({"high_extra": 1}, ["past the end of data", "exclusive"]),
         ({"per_row": False}, ["different windows", "one start per row"]),
         ({"use_generator": False}, ["equally seeded generators", "generator=generator"]),
@@ -448,8 +448,8 @@ def test_sample_batch_with_shifted_token_ids_is_caught():
     """Adding one to the ids instead of taking the next token passes on data = arange(n), which
     is why the check draws from a shuffled stream."""
 
-    def adds_one(data, batch_size, block_size, *, generator=None):
-        x, _ = sample_batch(data, batch_size, block_size, generator=generator)
+    def adds_one(data, batch_size, n_ctx, *, generator=None):
+        x, _ = sample_batch(data, batch_size, n_ctx, generator=generator)
         return x, x + 1
 
     fails(check_sample_batch, adds_one, "not x shifted by one token", "next tokens")

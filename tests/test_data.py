@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from transformer_course import data
+from transformer_course.tokenization import load_gpt2_tokenizer
 
 MIRROR = Path(
     os.environ.get(data.MIRROR_ENV, Path(__file__).resolve().parents[2] / "shared" / "data")
@@ -160,4 +161,15 @@ def test_gpt2_tokenizer_files_are_openais(monkeypatch):
         file = data.REGISTRY["gpt2"][name]
         assert file.url == f"https://openaipublic.blob.core.windows.net/gpt-2/encodings/main/{name}"
         assert data.fetch("gpt2", name).stat().st_size == file.size
-    assert data.load_gpt2_tokenizer().decode([15496, 995, 50256]) == "Hello world<|endoftext|>"
+    assert load_gpt2_tokenizer().decode([15496, 995, 50256]) == "Hello world<|endoftext|>"
+
+
+def test_a_cache_folder_that_cannot_be_made_says_what_to_set(tmp_path, monkeypatch):
+    """XDG_CACHE_HOME under a file: no raw NotADirectoryError, the data layer's own error."""
+    blocker = tmp_path / "a_file"
+    blocker.write_text("not a folder")
+    monkeypatch.delenv(data.MIRROR_ENV, raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(blocker / "cache"))
+    with pytest.raises(data.DataError, match="cannot create the cache folder") as info:
+        data.load_text("tinyshakespeare")
+    assert "XDG_CACHE_HOME" in str(info.value) and data.MIRROR_ENV in str(info.value)

@@ -33,13 +33,14 @@ def test_decoding_stops_at_the_end_token_and_respects_max_len():
     src = torch.tensor([[5, 6], [7, PAD]])
     for decode in (greedy_decode, beam_search):
         assert (
-            decode(Scripted(eos_at=4), src, bos_id=BOS, eos_id=EOS, max_len=10) == [[5, 6, 7]] * 2
+            decode(Scripted(eos_at=4), src, bos_id=BOS, eos_id=EOS, max_new_tokens=10)
+            == [[5, 6, 7]] * 2
         )
         assert (
-            decode(Scripted(eos_at=99), src, bos_id=BOS, eos_id=EOS, max_len=6)
+            decode(Scripted(eos_at=99), src, bos_id=BOS, eos_id=EOS, max_new_tokens=6)
             == [[5, 6, 7, 8, 9, 10]] * 2
         )
-        assert decode(Scripted(eos_at=1), src, bos_id=BOS, eos_id=EOS, max_len=6) == [[], []]
+        assert decode(Scripted(eos_at=1), src, bos_id=BOS, eos_id=EOS, max_new_tokens=6) == [[], []]
 
 
 def test_beam_one_equals_greedy():
@@ -47,8 +48,8 @@ def test_beam_one_equals_greedy():
     model = EncoderDecoderTransformer(small_config()).double()
     src = torch.randint(3, 23, (6, 7))
     src[2, 4:] = PAD
-    greedy = greedy_decode(model, src, bos_id=BOS, eos_id=EOS, max_len=12)
-    assert beam_search(model, src, bos_id=BOS, eos_id=EOS, max_len=12, beam_size=1) == greedy
+    greedy = greedy_decode(model, src, bos_id=BOS, eos_id=EOS, max_new_tokens=12)
+    assert beam_search(model, src, bos_id=BOS, eos_id=EOS, max_new_tokens=12, beam_size=1) == greedy
     assert all(len(row) <= 12 and EOS not in row and BOS not in row for row in greedy)
 
 
@@ -72,8 +73,10 @@ def test_beam_search_finds_a_better_sequence_than_greedy():
             return logits
 
     src = torch.tensor([[5]])
-    assert greedy_decode(TwoPaths(), src, bos_id=BOS, eos_id=EOS, max_len=3)[0][0] == 5
-    assert beam_search(TwoPaths(), src, bos_id=BOS, eos_id=EOS, max_len=3, beam_size=2) == [[6]]
+    assert greedy_decode(TwoPaths(), src, bos_id=BOS, eos_id=EOS, max_new_tokens=3)[0][0] == 5
+    assert beam_search(TwoPaths(), src, bos_id=BOS, eos_id=EOS, max_new_tokens=3, beam_size=2) == [
+        [6]
+    ]
 
 
 @pytest.mark.parametrize("decode", [greedy_decode, beam_search])
@@ -82,12 +85,14 @@ def test_special_ids_outside_the_vocabulary_are_refused(decode):
     model = EncoderDecoderTransformer(small_config())
     src, _ = batch_with_padding()
     with pytest.raises(ValueError, match=r"eos_id: expected an int id in \[0, 19\), got 19"):
-        decode(model, src, bos_id=BOS, eos_id=19, max_len=5)
+        decode(model, src, bos_id=BOS, eos_id=19, max_new_tokens=5)
     with pytest.raises(ValueError, match=r"bos_id: expected an int id in \[0, 19\), got -1"):
-        decode(model, src, bos_id=-1, eos_id=EOS, max_len=5)
+        decode(model, src, bos_id=-1, eos_id=EOS, max_new_tokens=5)
     with pytest.raises(ValueError, match=r"eos_id: .* got True"):
-        decode(model, src, bos_id=BOS, eos_id=True, max_len=5)
-    assert len(decode(model, src, bos_id=np.int64(BOS), eos_id=np.int64(EOS), max_len=3)) == 3
+        decode(model, src, bos_id=BOS, eos_id=True, max_new_tokens=5)
+    assert (
+        len(decode(model, src, bos_id=np.int64(BOS), eos_id=np.int64(EOS), max_new_tokens=3)) == 3
+    )
 
 
 def test_decoding_refuses_logits_that_are_not_finite():
@@ -102,7 +107,7 @@ def test_decoding_refuses_logits_that_are_not_finite():
     src = torch.tensor([[3, 4, 5]])
     for decode in (greedy_decode, beam_search):
         with pytest.raises(FloatingPointError, match="logits are not finite"):
-            decode(model, src, bos_id=1, eos_id=2, max_len=5)
+            decode(model, src, bos_id=1, eos_id=2, max_new_tokens=5)
 
 
 @pytest.mark.parametrize("decode", [greedy_decode, beam_search])
@@ -111,10 +116,18 @@ def test_decoding_runs_in_eval_mode_and_gives_the_mode_back(decode):
     torch.manual_seed(5)
     model = EncoderDecoderTransformer(small_config(dropout=0.5))
     src, _ = batch_with_padding()
-    expected = decode(model.eval(), src, bos_id=BOS, eos_id=EOS, max_len=6)
+    expected = decode(model.eval(), src, bos_id=BOS, eos_id=EOS, max_new_tokens=6)
     model.train()
-    assert decode(model, src, bos_id=BOS, eos_id=EOS, max_len=6) == expected
+    assert decode(model, src, bos_id=BOS, eos_id=EOS, max_new_tokens=6) == expected
     assert model.training
-    with pytest.raises(ValueError, match=r"max_len: expected an int >= 1 and <= 32, got 33"):
-        decode(model, src, bos_id=BOS, eos_id=EOS, max_len=33)
+    with pytest.raises(ValueError, match=r"max_new_tokens: expected an int >= 1 and <= 32, got 33"):
+        decode(model, src, bos_id=BOS, eos_id=EOS, max_new_tokens=33)
     assert model.training
+
+
+@pytest.mark.parametrize("decode", [greedy_decode, beam_search])
+def test_max_len_still_works_as_the_former_name_of_max_new_tokens(decode):
+    src = torch.tensor([[5, 6]])
+    with pytest.warns(DeprecationWarning, match="max_len is deprecated: call it max_new_tokens"):
+        old = decode(Scripted(eos_at=99), src, bos_id=BOS, eos_id=EOS, max_len=4)
+    assert old == decode(Scripted(eos_at=99), src, bos_id=BOS, eos_id=EOS, max_new_tokens=4)

@@ -230,11 +230,11 @@ def test_tied_and_shared_embeddings_are_one_matrix():
 
 def test_bad_input_gets_clear_errors():
     model = EncoderDecoderTransformer(small_config())
-    with pytest.raises(ValueError, match=r"src: expected at most max_len=32 tokens, got 40"):
+    with pytest.raises(ValueError, match=r"src: expected at most n_ctx=32 positions, got 40"):
         model(torch.ones(1, 40, dtype=torch.long), torch.ones(1, 3, dtype=torch.long))
-    with pytest.raises(ValueError, match=r"tgt: expected ids in \[0, 19\)"):
+    with pytest.raises(ValueError, match=r"tgt: expected ids in \[0, d_vocab=19\)"):
         model(torch.ones(1, 4, dtype=torch.long), torch.full((1, 3), 19))
-    with pytest.raises(ValueError, match="src: expected an integer tensor"):
+    with pytest.raises(TypeError, match="src: expected an integer tensor"):
         model(torch.ones(1, 4), torch.ones(1, 3, dtype=torch.long))
     with pytest.raises(ValueError, match="d_model"):
         small_config(d_model=15, n_heads=3)
@@ -264,9 +264,9 @@ def test_token_tensors_of_a_non_index_dtype_are_refused(dtype):
     """uint8 and bool tensors would index W_E as a boolean mask, not as ids."""
     model = EncoderDecoderTransformer(small_config())
     src, tgt = batch_with_padding()
-    with pytest.raises(ValueError, match=rf"src: expected an integer tensor .* got {dtype} tensor"):
+    with pytest.raises(TypeError, match=rf"src: expected an integer tensor .* got {dtype}"):
         model(src.to(dtype), tgt)
-    with pytest.raises(ValueError, match=rf"tgt: expected an integer tensor .* got {dtype} tensor"):
+    with pytest.raises(TypeError, match=rf"tgt: expected an integer tensor .* got {dtype}"):
         model(src, tgt.to(dtype))
 
 
@@ -279,9 +279,9 @@ def test_int32_tokens_give_the_same_logits():
 def test_zero_length_tokens_are_named():
     model = EncoderDecoderTransformer(small_config())
     src, tgt = batch_with_padding()
-    with pytest.raises(ValueError, match=r"tgt: expected at least one position, got shape \(3, 0"):
+    with pytest.raises(ValueError, match=r"tgt: expected .* at least one position, got \(3, 0"):
         model(src, tgt[:, :0])
-    with pytest.raises(ValueError, match=r"src: expected at least one position, got shape \(3, 0"):
+    with pytest.raises(ValueError, match=r"src: expected .* at least one position, got \(3, 0"):
         model(src[:, :0], tgt)
 
 

@@ -25,7 +25,7 @@ from transformer_course.gpt2 import (
     generate,
     lm_loss,
 )
-from transformer_course.gpt2_weights import config_from_huggingface, convert_hf_gpt2_state_dict
+from transformer_course.gpt2_weights import convert_hf_gpt2_state_dict
 from transformer_course.training import TrainConfig, estimate_loss, sample_batch, train
 
 pytestmark = pytest.mark.filterwarnings("ignore:HookedTransformer is deprecated:DeprecationWarning")
@@ -178,13 +178,13 @@ def test_from_huggingface_refuses_what_is_not_a_hugging_face_gpt2(not_hf):
 
 def test_config_from_huggingface_reads_every_field():
     hf_config = HFGPT2Config(**TINY, n_inner=None, layer_norm_epsilon=1e-6, initializer_range=0.03)
-    cfg = config_from_huggingface(hf_config)
+    cfg = GPT2Config.from_huggingface(hf_config)
     assert (cfg.d_model, cfg.n_layers, cfg.n_heads, cfg.d_head) == (32, 2, 4, 8)
     assert (cfg.d_mlp, cfg.d_vocab, cfg.n_ctx) == (4 * 32, 61, 16)  # n_inner=None: 4 d_model
     assert (cfg.layer_norm_eps, cfg.init_range, cfg.act_fn) == (1e-6, 0.03, "gelu_new")
-    assert config_from_huggingface(HFGPT2Config(**TINY, n_inner=100)).d_mlp == 100
+    assert GPT2Config.from_huggingface(HFGPT2Config(**TINY, n_inner=100)).d_mlp == 100
     with pytest.raises(ValueError, match="hf_config.reorder_and_upcast_attn: expected False"):
-        config_from_huggingface(HFGPT2Config(**TINY, reorder_and_upcast_attn=True))
+        GPT2Config.from_huggingface(HFGPT2Config(**TINY, reorder_and_upcast_attn=True))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
@@ -192,8 +192,10 @@ def test_weight_conversion_matches_transformer_lens_without_building_a_model(dty
     """The state-dict conversion alone, against TransformerLens's own `convert_gpt2_weights`:
     every tensor equal, in the dtype it came in; `b_U` (which TransformerLens leaves out) zero."""
     reference = hf_model(dtype)
-    cfg = config_from_huggingface(reference.config)
-    ours = convert_hf_gpt2_state_dict(reference.state_dict(), cfg)
+    cfg = GPT2Config.from_huggingface(reference.config)
+    ours = convert_hf_gpt2_state_dict(
+        reference.state_dict(), n_layers=cfg.n_layers, n_heads=cfg.n_heads
+    )
     tl_cfg = HookedTransformerConfig(
         n_layers=cfg.n_layers,
         d_model=cfg.d_model,
@@ -215,9 +217,9 @@ def test_weight_conversion_matches_transformer_lens_without_building_a_model(dty
 def test_weight_conversion_names_a_missing_key():
     state = hf_model().state_dict()
     del state["lm_head.weight"]
-    cfg = config_from_huggingface(hf_model().config)
+    cfg = GPT2Config.from_huggingface(hf_model().config)
     with pytest.raises(TypeError, match="hf_state_dict: .* 'lm_head.weight' is missing"):
-        convert_hf_gpt2_state_dict(state, cfg)
+        convert_hf_gpt2_state_dict(state, n_layers=cfg.n_layers, n_heads=cfg.n_heads)
 
 
 def test_tied_embeddings_are_one_matrix_and_match_hugging_face():
@@ -306,6 +308,7 @@ def test_activations_match_transformer_lens_cache_by_name():
         (torch.tensor([[True, False]]), TypeError, "integer"),
         (torch.tensor([[1, 2]], dtype=torch.uint8), TypeError, "torch.uint8"),  # indexes as a mask
         (torch.tensor([1, 2, 3]), ValueError, r"\(batch, pos\)"),
+        (torch.zeros(2, 0, dtype=torch.long), ValueError, r"tokens: .* at least one position"),
         ([[1, 2, 3]], TypeError, "torch.Tensor"),
     ],
 )
@@ -488,7 +491,5 @@ def test_training_overfits_one_batch():
     history = train(model, cfg, lambda step: (x, y), lambda m, b: lm_loss(m(b[0]), b[1]))
     assert history.train_loss[0] > 3.5  # about ln(61) = 4.1 at initialisation
     assert history.train_loss[-1] < 0.5
-    loss = estimate_loss(
-        model, torch.cat([x[0], y[0, -1:]]), batch_size=1, block_size=16, n_batches=1
-    )
+    loss = estimate_loss(model, torch.cat([x[0], y[0, -1:]]), batch_size=1, n_ctx=16, n_batches=1)
     assert loss < 0.5

@@ -17,7 +17,7 @@ from tiktoken.load import data_gym_to_mergeable_bpe_ranks
 from transformers import GPT2Tokenizer
 
 from transformer_course import data
-from transformer_course.tokenization import BPETokenizer, encode_chunk
+from transformer_course.tokenization import BPETokenizer, encode_chunk, load_gpt2_tokenizer
 
 ENDOFTEXT = "<|endoftext|>"
 # tiktoken_ext/openai_public.py, gpt2(): the pre-split regex of OpenAI's encoder.py
@@ -33,7 +33,7 @@ CORPORA = ("wikitext-2-valid", "wikitext-2-test", "tinyshakespeare")
 
 @pytest.fixture(scope="module")
 def ours() -> BPETokenizer:
-    return data.load_gpt2_tokenizer()
+    return load_gpt2_tokenizer()
 
 
 @pytest.fixture(scope="module")

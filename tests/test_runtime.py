@@ -9,10 +9,10 @@ from transformer_course import runtime
 def test_profile_from_environment(monkeypatch):
     monkeypatch.setenv("COURSE_PROFILE", "full")
     assert runtime.get_profile() == "full"
-    assert runtime.pick(quick=1, full=2) == 2
+    assert runtime.by_profile(quick=1, full=2) == 2
     monkeypatch.setenv("COURSE_PROFILE", " Quick ")
     assert runtime.get_profile() == "quick"
-    assert runtime.pick(quick=1, full=2) == 1
+    assert runtime.by_profile(quick=1, full=2) == 1
 
 
 def test_default_profile_follows_the_device(monkeypatch):
@@ -38,4 +38,4 @@ def test_seeding_repeats_random_numbers():
 
 def test_describe_names_profile_and_device(monkeypatch):
     monkeypatch.setenv("COURSE_PROFILE", "quick")
-    assert runtime.describe().startswith(f"profile=quick device={runtime.get_device().type}")
+    assert runtime.describe_run().startswith(f"profile=quick device={runtime.get_device().type}")

@@ -525,10 +525,10 @@ def test_sample_batch_reaches_every_window_and_repeats_with_a_generator():
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        ((torch.arange(8), 2, 8), "data: expected a 1-d tensor longer than block_size=8"),
+        ((torch.arange(8), 2, 8), "data: expected a 1-d tensor longer than n_ctx=8"),
         ((torch.zeros(2, 20), 2, 4), r"got shape \(2, 20\)"),
         ((torch.arange(20), 0, 4), "batch_size: expected a positive int, got 0"),
-        ((torch.arange(20), 2, 2.0), "block_size: expected a positive int, got 2.0"),
+        ((torch.arange(20), 2, 2.0), "n_ctx: expected a positive int, got 2.0"),
     ],
 )
 def test_sample_batch_refuses_bad_arguments(args, message):
@@ -556,7 +556,7 @@ def test_estimate_loss_is_the_mean_eval_loss_and_restores_train_mode():
         model,
         data,
         batch_size=4,
-        block_size=5,
+        n_ctx=5,
         n_batches=3,
         generator=torch.Generator().manual_seed(3),
     )
@@ -568,4 +568,4 @@ def test_estimate_loss_is_the_mean_eval_loss_and_restores_train_mode():
         losses.append(nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten()).item())
     assert loss == pytest.approx(sum(losses) / 3, rel=1e-6)
     with pytest.raises(ValueError, match="n_batches: expected a positive int, got 0"):
-        estimate_loss(model, data, batch_size=4, block_size=5, n_batches=0)
+        estimate_loss(model, data, batch_size=4, n_ctx=5, n_batches=0)

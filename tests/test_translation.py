@@ -11,29 +11,24 @@ import torch
 from torch import nn
 
 from transformer_course import translation
+from transformer_course.decoding import BOS, EOS, PAD, UNK, pad_batch, translate
 from transformer_course.encoder_decoder import EncoderDecoderTransformer, Seq2SeqConfig
 from transformer_course.tokenization import BPETokenizer
 from transformer_course.training import History, save_checkpoint
 from transformer_course.translation import (
-    BOS,
-    EOS,
     N_TEST,
     N_VALID,
-    PAD,
     SETUPS,
-    UNK,
     LengthBatches,
     corpus_bleu,
     is_trained,
     keep_short,
     load_splits,
-    pad_batch,
     references_by_source,
     run_dir,
     seq2seq_loss,
     split_pairs,
     train_tokenizer,
-    translate,
 )
 
 TOY = [
@@ -231,8 +226,8 @@ def _translation_setup():
 
 def test_translate_refuses_bad_settings_instead_of_guessing():
     model, tokenizer = _translation_setup()
-    with pytest.raises(ValueError, match=r"max_len: expected an int >= 1 and <= 32, got 0"):
-        translate(model, ["hello"], tokenizer, max_len=0)
+    with pytest.raises(ValueError, match=r"max_new_tokens: expected an int >= 1 and <= 32, got 0"):
+        translate(model, ["hello"], tokenizer, max_new_tokens=0)
     with pytest.raises(ValueError, match="batch_size: expected a positive int, got 0"):
         translate(model, ["hello"], tokenizer, batch_size=0)
     plain = BPETokenizer.train("hello", 260)
@@ -240,4 +235,8 @@ def test_translate_refuses_bad_settings_instead_of_guessing():
         translate(model, ["hello"], plain, tokenizer)
     with pytest.raises(ValueError, match=r"tgt_tokenizer: .* missing \['<s>', '</s>'\]"):
         translate(model, ["hello"], tokenizer, plain)
-    assert len(translate(model, ["hello", "hola"], tokenizer, max_len=3)) == 2
+    assert len(translate(model, ["hello", "hola"], tokenizer, max_new_tokens=3)) == 2
+    with pytest.warns(DeprecationWarning, match="max_len is deprecated: call it max_new_tokens"):
+        assert len(translate(model, ["hello"], tokenizer, max_len=3)) == 1
+    with pytest.raises(TypeError, match="max_len: the former name of max_new_tokens"):
+        translate(model, ["hello"], tokenizer, max_len=3, max_new_tokens=3)

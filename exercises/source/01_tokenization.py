@@ -30,7 +30,7 @@ from typing import Any
 
 import regex
 
-from transformer_course import validate
+from transformer_course import tokenizer_files, validate
 from transformer_course.checks.tokenization import (
     check_bpe_encode,
     check_char_tokenizer,
@@ -40,31 +40,26 @@ from transformer_course.checks.tokenization import (
     check_merge_pair,
     check_train_merges,
 )
-from transformer_course.data import fetch, load_gpt2_tokenizer, load_text
+from transformer_course.data import fetch, load_text
 from transformer_course.files import atomic_write
-from transformer_course.runtime import describe, pick, seed_everything
+from transformer_course.runtime import by_profile, describe_run, seed_everything
 from transformer_course.tokenization import (  # what BPETokenizer uses besides your functions
     CACHE_SIZE,
-    FILE_FORMAT,
-    FILE_VERSION,
-    GPT2_SPLIT_PATTERN,
     SHORT_CHUNK,
     SPACE_BEFORE_WORD,
     Tokenizer,
-    TokenPair,
     _byte_ids,
-    _check_tables,
     _Memo,
-    _read_json,
     _special_pattern,
-    _tables_from_state,
     _token_ids_by_bytes,
     encode_long_chunk,
+    load_gpt2_tokenizer,
     split_chunks,
 )
+from transformer_course.tokenizer_files import GPT2_SPLIT_PATTERN, TokenPair, check_tables
 
 seed_everything(0)
-print(describe())
+print(describe_run())
 
 # %% [markdown]
 # ## Exercise 1.1: `CharTokenizer`
@@ -217,7 +212,7 @@ check_bpe_encode(BPETokenizer)
 # the tests compare with OpenAI's tiktoken and Hugging Face on whole corpora).
 
 # %% [check]
-text = load_text("tinyshakespeare")[: pick(quick=200_000, full=1_000_000)]
+text = load_text("tinyshakespeare")[: by_profile(quick=200_000, full=1_000_000)]
 ours = BPETokenizer.train(text, 756, pattern=GPT2_SPLIT_PATTERN, special_tokens=["<|endoftext|>"])
 ids = ours.encode(text + "<|endoftext|>")
 assert ours.decode(ids) == text + "<|endoftext|>"

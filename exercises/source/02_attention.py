@@ -34,17 +34,22 @@ from transformer_lens.hook_points import HookPoint
 from transformer_lens.HookedRootModule import HookedRootModule
 
 from transformer_course import validate
-from transformer_course.attention import zero_unseen
+from transformer_course.attention import (
+    LayerCache,
+    causal_mask,
+    fill_masked,
+    masked_softmax,
+    zero_unseen,
+)
 from transformer_course.checks.attention import (
     check_attention_scores,
     check_multi_head_attention,
     check_scaled_dot_product_attention,
 )
-from transformer_course.masking import causal_mask, fill_masked, masked_softmax, upcast
-from transformer_course.runtime import describe, seed_everything
+from transformer_course.runtime import describe_run, seed_everything, upcast
 
 seed_everything(0)
-print(describe())
+print(describe_run())
 
 # %% [markdown]
 # ## Exercise 2.1: `attention_scores`

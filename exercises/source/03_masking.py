@@ -31,11 +31,11 @@ from transformer_course.checks.masking import (
     check_masked_softmax,
     check_padding_mask,
 )
-from transformer_course.masking import fill_masked, upcast
-from transformer_course.runtime import describe, seed_everything
+from transformer_course.masking import fill_masked
+from transformer_course.runtime import describe_run, seed_everything, upcast
 
 seed_everything(0)
-print(describe())
+print(describe_run())
 
 # %% [markdown]
 # ## Exercise 3.1: `causal_mask`
@@ -46,7 +46,7 @@ print(describe())
 # the earlier positions come from a cache, and the last query sees every key.
 # `validate.positive_int` (given) rejects lengths that are not positive ints.
 
-# %% [exercise] transformer_course.masking:causal_mask difficulty=2 importance=5 minutes=10
+# %% [exercise] transformer_course.attention:causal_mask difficulty=2 importance=5 minutes=10
 # hint: With as many keys as queries the mask is the lower triangle, diagonal included. With more
 #   keys than queries, slide the triangle so the last query sees every key.
 # hint: `torch.tril` and `Tensor.tril` take a `diagonal=` offset; the offset you need is `k_len -
@@ -119,7 +119,7 @@ print(combine_masks(causal_mask(5), padding_mask(tokens, pad_id=0)).int())
 #
 # With `mask=None` it is a plain softmax.
 
-# %% [exercise] transformer_course.masking:masked_softmax difficulty=3 importance=5 minutes=15
+# %% [exercise] transformer_course.attention:masked_softmax difficulty=3 importance=5 minutes=15
 # hint: Filling with -inf breaks only when a whole row is forbidden: think about what the softmax of
 #   a row of equal, very negative numbers is, and what you want instead.
 # hint: Fill with `fill_masked` (a finite minimum), take the softmax over the last dim, then force

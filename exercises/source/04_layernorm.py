@@ -31,11 +31,10 @@ from transformer_course import validate
 from transformer_course.attention import MultiHeadAttention
 from transformer_course.checks.layernorm import check_layernorm, check_rmsnorm
 from transformer_course.data import load_text
-from transformer_course.masking import upcast
-from transformer_course.runtime import describe, seed_everything
+from transformer_course.runtime import describe_run, seed_everything, upcast
 
 seed_everything(0)
-print(describe())
+print(describe_run())
 
 # %% [markdown]
 # ## Exercise 4.1: `LayerNorm.forward`

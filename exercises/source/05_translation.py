@@ -5,7 +5,7 @@
 #
 # 1. the sinusoidal positional encoding;
 # 2. the token embedding, scaled by $\sqrt{d_\text{model}}$, plus the positions;
-# 3. the residual sublayer, pre-LN and post-LN: the wiring around every attention and MLP;
+# 3. the residual sublayer, pre-LN and post-LN: the norm_and_dropout around every attention and MLP;
 # 4. one block for both stacks: self-attention (causal in the decoder), cross-attention to the
 #    source (in the decoder), then the MLP;
 # 5. the model that assembles your embedding and blocks into an encoder and a decoder;
@@ -44,14 +44,14 @@ from transformer_course.checks.encoder_decoder import (
     check_seq2seq_block,
     check_token_embedding,
 )
-from transformer_course.decoding import _validate_decode_args, next_token_logits
-from transformer_course.encoder_decoder import TOKEN_DTYPES, Seq2SeqConfig
+from transformer_course.decoding import _decode_args, next_token_logits
+from transformer_course.encoder_decoder import Seq2SeqConfig
 from transformer_course.layernorm import LayerNorm
 from transformer_course.masking import padding_mask
-from transformer_course.runtime import describe, evaluating, pick, seed_everything
+from transformer_course.runtime import by_profile, describe_run, evaluating, seed_everything
 
 seed_everything(0)
-print(describe())
+print(describe_run())
 
 # %% [markdown]
 # ## Exercise 5.1: sinusoidal positional encoding
@@ -95,7 +95,7 @@ check_token_embedding(TokenEmbedding)
 # %% [markdown]
 # ## Exercise 5.3: the residual sublayer
 #
-# Every attention and every MLP of the model sits in the same wiring: its output goes through
+# Every attention and every MLP of the model sits in the same norm_and_dropout: its output goes through
 # dropout, is added to the residual stream, and a layer norm keeps the stream's scale in check.
 # Where the norm goes is the difference between the paper's **post-LN** and the **pre-LN** that
 # GPT-2 and most modern models use (chapter 4):
@@ -167,7 +167,7 @@ check_seq2seq_block(TransformerBlock)
 #   `x @ W_U + b_U`, where `W_U` is `tgt_embed.W_E.T` when the embeddings are tied
 #   (`cfg.tie_embeddings`, as in the paper) and `self.W_U` otherwise.
 #
-# Check the token ids first (`self._validate_tokens`, given), so a bad id gives a clear error.
+# Check the token ids first (`validate.token_tensor`, given), so a bad id gives a clear error.
 
 # %% [exercise] transformer_course.encoder_decoder:EncoderDecoderTransformer blank=encode,decode difficulty=3 importance=5 minutes=25
 # hint: `encode` is a loop over `self.encoder`, each block called as `block(x, mask)`.
@@ -220,7 +220,7 @@ check_inverse_sqrt_lr(inverse_sqrt_lr)
 # Encode the source once. Start every row with `<s>`; at each step run the decoder on the tokens
 # so far, take the most likely next token at the last position and append it. A row is finished
 # when it produces `</s>` (keep appending padding to it while the others go on); stop when every
-# row is finished or after `max_len` new tokens. Return the generated ids without `<s>` and
+# row is finished or after `max_new_tokens` new tokens. Return the generated ids without `<s>` and
 # `</s>`. Decode in evaluation mode: `with evaluating(model):` switches dropout off and
 # gradients with it, and gives the model its own mode back afterwards.
 
@@ -229,7 +229,7 @@ check_inverse_sqrt_lr(inverse_sqrt_lr)
 #   and appends the most likely next token of the last position (`next_token_logits` gives
 #   those logits and refuses NaN).
 # hint: Rows finish at different steps: remember which rows have produced `eos_id` (keep padding
-#   them) and stop when all have, or after `max_len` new tokens.
+#   them) and stop when all have, or after `max_new_tokens` new tokens.
 # hint: Return one list per row: the generated ids without `bos_id`, cut before the first `eos_id`.
 
 # %% [check]
@@ -244,7 +244,7 @@ check_greedy_decode(greedy_decode)
 # every token, keep the best `beam_size` extensions that do not end, and set aside those that end
 # with `</s>`, their score divided by `length ** length_penalty` so long translations are not
 # punished for having more factors below one. Stop when `beam_size` translations have ended or
-# after `max_len` steps, and return the best one (without `<s>` and `</s>`) for each source row.
+# after `max_new_tokens` steps, and return the best one (without `<s>` and `</s>`) for each source row.
 # A beam of one is greedy decoding.
 
 # %% [exercise] transformer_course.decoding:beam_search difficulty=4 importance=3 minutes=40
@@ -272,17 +272,14 @@ check_beam_search(beam_search)
 # give rough but recognisable Spanish; the book page trains longer.
 
 # %% [check] tags=nbval-ignore-output
+from transformer_course.decoding import BOS, EOS, PAD, pad_batch
 from transformer_course.training import TrainConfig, train
 from transformer_course.translation import (
-    BOS,
-    EOS,
-    PAD,
     SETUPS,
     LengthBatches,
     corpus_bleu,
     load_splits,
     model_config,
-    pad_batch,
     references_by_source,
     train_tokenizer,
 )
@@ -308,7 +305,7 @@ def schedule(step):
 
 
 config = TrainConfig(
-    max_steps=pick(quick=1000, full=setup.max_steps), lr=setup.lr, lr_schedule=schedule,
+    max_steps=by_profile(quick=1000, full=setup.max_steps), lr=setup.lr, lr_schedule=schedule,
     betas=(0.9, 0.98), grad_clip=1.0, log_every=200, seed=setup.seed,
 )
 history = train(model, config, LengthBatches(tokenizer, splits["train"], setup.batch_size), loss_fn)
@@ -322,7 +319,7 @@ set_fast_path(model, False)
 # %% [check] tags=nbval-ignore-output
 def translate_with(decoder, sentences, **options):
     src = pad_batch([tokenizer.encode(s) + [eos] for s in sentences], pad)
-    rows = decoder(model.eval(), src, bos_id=bos, eos_id=eos, max_len=model.cfg.max_len, **options)
+    rows = decoder(model.eval(), src, bos_id=bos, eos_id=eos, max_new_tokens=model.cfg.n_ctx, **options)
     return [tokenizer.decode(row) for row in rows]
 
 

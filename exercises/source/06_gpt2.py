@@ -31,6 +31,7 @@ from transformers import GPT2LMHeadModel
 
 from transformer_course import validate
 from transformer_course.attention import (
+    LayerCache,
     MultiHeadAttention,
     scaled_dot_product_attention,
     set_fast_path,
@@ -49,13 +50,15 @@ from transformer_course.checks.gpt2 import (
     check_train_step,
     check_unembed,
 )
-from transformer_course.gpt2 import GPT2Config, KVCache, TiedUnembed, lm_loss, validate_tokens
+from transformer_course.gpt2 import GPT2Config, KVCache, TiedUnembed
+from transformer_course.gpt2_weights import convert_hf_gpt2_state_dict
 from transformer_course.layernorm import LayerNorm
 from transformer_course.masking import causal_mask
-from transformer_course.runtime import describe, evaluating, seed_everything
+from transformer_course.runtime import describe_run, evaluating, seed_everything
+from transformer_course.training import lm_loss
 
 seed_everything(0)
-print(describe())
+print(describe_run())
 
 # %% [markdown]
 # ## Embeddings
@@ -237,18 +240,18 @@ check_train_step(train_step)
 # ## Batches of text
 #
 # A language model trains on windows of its token stream. `sample_batch` draws `batch_size`
-# random windows of `block_size` tokens from a 1-d tensor `data`, one per row, and returns them
+# random windows of `n_ctx` tokens from a 1-d tensor `data`, one per row, and returns them
 # with the same windows one token later: the targets, so position `i` of a row learns to
 # predict token `i + 1`. Every window whose targets still fit in `data` may be drawn, each
 # equally often, and every random number comes from `generator` when one is given, so a seeded
 # draw repeats exactly.
 
 # %% [exercise] transformer_course.training:sample_batch difficulty=2 importance=4 minutes=15
-# hint: A window is `block_size` consecutive tokens; its targets are the window one token later,
+# hint: A window is `n_ctx` consecutive tokens; its targets are the window one token later,
 #   so the last possible window must leave one token after it.
 # hint: Draw every row's start at once with `torch.randint`, passing it the generator; its upper
 #   bound is exclusive.
-# hint: Each start plus `torch.arange(block_size)` gives a row of positions to index `data` with.
+# hint: Each start plus `torch.arange(n_ctx)` gives a row of positions to index `data` with.
 
 # %% [check]
 check_sample_batch(sample_batch)
@@ -267,7 +270,7 @@ check_sample_batch(sample_batch)
 
 # %% [check] tags=nbval-ignore-output
 from transformer_course.data import load_text
-from transformer_course.runtime import pick
+from transformer_course.runtime import by_profile
 from transformer_course.tokenization import CharTokenizer
 from transformer_course.training import estimate_loss
 
@@ -282,12 +285,12 @@ config = GPT2Config(d_model=128, n_layers=4, n_heads=4, d_vocab=chars.vocab_size
 model = set_fast_path(GPT2(config))
 optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.99))
 batches = torch.Generator().manual_seed(1)
-steps, losses = pick(quick=1200, full=5000), []
+steps, losses = by_profile(quick=1200, full=5000), []
 for step in range(steps):
     tokens, targets = sample_batch(train_data, 12, 64, generator=batches)
     losses.append(train_step(model, optimizer, tokens, targets))
     if (step + 1) % 400 == 0:
-        val = estimate_loss(model, val_data, batch_size=12, block_size=64, n_batches=50,
+        val = estimate_loss(model, val_data, batch_size=12, n_ctx=64, n_batches=50,
                             generator=torch.Generator().manual_seed(2))
         print(f"step {step + 1}: train loss {sum(losses[-100:]) / 100:.3f}, val loss {val:.3f}")
 

@@ -31,15 +31,88 @@ from transformer_lens.hook_points import HookPoint
 from transformer_lens.HookedRootModule import HookedRootModule
 
 from transformer_course import validate
-from transformer_course.masking import causal_mask, fill_masked, masked_softmax, upcast
+from transformer_course.runtime import upcast
 
 __all__ = [
+    "causal_mask",
+    "fill_masked",
+    "masked_softmax",
     "attention_scores",
     "scaled_dot_product_attention",
     "zero_unseen",
+    "LayerCache",
+    "Mask",
     "MultiHeadAttention",
     "set_fast_path",
 ]
+
+
+# A boolean mask, True = may attend, that broadcasts to the scores (..., q_pos, k_pos): for
+# example (q_pos, k_pos) for the causal mask, (batch, 1, 1, k_pos) for padding, or (k_pos,).
+Mask = Bool[Tensor, "*#batch #q_pos #k_pos"] | Bool[Tensor, "#k_pos"]
+
+# Masks, and the softmax over the keys a mask allows. Chapter 3 explains them; they are written
+# here because attention takes masks from the start.
+
+
+def causal_mask(
+    q_len: int, k_len: int | None = None, *, device: torch.device | str | None = None
+) -> Bool[Tensor, "q_pos k_pos"]:
+    """The causal mask: query `i` may attend to key `j` iff `j <= i + (k_len - q_len)`.
+
+    With `k_len == q_len` (the default) this is the lower triangle, diagonal included: a token
+    sees itself and everything before it. With `k_len > q_len` the queries are the *last*
+    `q_len` positions of a sequence of `k_len` (a KV cache holds the earlier keys), so the
+    last query sees every key.
+
+    Course: chapter 3, exercise 3.1, checked by checks.masking.check_causal_mask.
+    """
+    q_len = validate.positive_int("q_len", q_len)
+    k_len = q_len if k_len is None else validate.positive_int("k_len", k_len)
+    if k_len < q_len:
+        raise ValueError(
+            f"k_len: expected k_len >= q_len={q_len} (queries are the last positions of the "
+            f"keys), got {k_len}"
+        )
+    allowed = torch.ones(q_len, k_len, dtype=torch.bool, device=device)
+    return allowed.tril(diagonal=k_len - q_len)
+
+
+def fill_masked(
+    scores: Float[Tensor, "... q_pos k_pos"], mask: Mask | None
+) -> Float[Tensor, "... q_pos k_pos"]:
+    """Replace the scores of forbidden keys by the most negative finite value of the dtype.
+
+    Not -inf: a row whose keys are *all* forbidden would then be softmax(-inf, ..., -inf) = NaN.
+    A finite fill still gives those entries weight exp(min - max) = 0 in any row that has one
+    allowed key.
+
+    Course: chapter 3.
+    """
+    if mask is None:
+        return scores
+    return scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
+
+
+def masked_softmax(
+    scores: Float[Tensor, "... q_pos k_pos"], mask: Mask | None = None
+) -> Float[Tensor, "... q_pos k_pos"]:
+    """Softmax over keys (the last dim) that ignores forbidden keys and never returns NaN.
+
+    A query row with no allowed key gets an all-zero pattern (and so a zero output and zero
+    gradients), which is also what `torch.nn.functional.scaled_dot_product_attention` returns.
+    float16 and bfloat16 scores are handled in float32; the pattern has the scores' dtype.
+
+    Course: chapter 3, exercise 3.4, checked by checks.masking.check_masked_softmax.
+    """
+    if mask is None:
+        return upcast(scores).softmax(dim=-1).to(scores.dtype)
+    validate.bool_mask(mask)
+    pattern = fill_masked(upcast(scores), mask).softmax(dim=-1)
+    return pattern.masked_fill(~mask, 0.0).to(scores.dtype)
+
+
+# Attention.
 
 
 def attention_scores(
@@ -58,9 +131,7 @@ def attention_scores(
     return einops.einsum(q, upcast(k), "... q_pos d_head, ... k_pos d_head -> ... q_pos k_pos")
 
 
-def zero_unseen(
-    t: Float[Tensor, "... k_pos d"], mask: Bool[Tensor, "... q_pos k_pos"] | None
-) -> Float[Tensor, "... k_pos d"]:
+def zero_unseen(t: Float[Tensor, "... k_pos d"], mask: Mask | None) -> Float[Tensor, "... k_pos d"]:
     """Values (or keys) `t` with zeros at the positions no query may attend (padding).
 
     Their weight is already 0, but 0 * NaN = NaN: without this, one NaN in a padded position
@@ -70,14 +141,15 @@ def zero_unseen(
     """
     if mask is None:
         return t
-    return t.masked_fill(~mask.any(dim=-2)[..., None], 0.0)
+    seen = mask.any(dim=-2) if mask.ndim >= 2 else mask  # a 1-d mask is the same for every query
+    return t.masked_fill(~seen[..., None], 0.0)
 
 
 def scaled_dot_product_attention(
     q: Float[Tensor, "... q_pos d_head"],
     k: Float[Tensor, "... k_pos d_head"],
     v: Float[Tensor, "... k_pos d_v"],
-    mask: Bool[Tensor, "... q_pos k_pos"] | None = None,
+    mask: Mask | None = None,
 ) -> tuple[Float[Tensor, "... q_pos d_v"], Float[Tensor, "... q_pos k_pos"]]:
     """softmax(q k^T / sqrt(d_head)) v, returning the output and the attention pattern.
 
@@ -92,6 +164,24 @@ def scaled_dot_product_attention(
     v = upcast(zero_unseen(v, mask))
     out = einops.einsum(pattern, v, "... q_pos k_pos, ... k_pos d_v -> ... q_pos d_v")
     return out.to(q.dtype), pattern.to(q.dtype)
+
+
+class LayerCache:
+    """One attention layer's cached keys and values, each `(batch, n_heads, pos, d_head)`:
+    `MultiHeadAttention.forward(..., cache=...)` extends them with each call's new positions.
+
+    Course: chapter 6.
+    """
+
+    def __init__(self, k: Tensor | None = None, v: Tensor | None = None) -> None:
+        self.k, self.v = k, v
+
+    def extend(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """Append the new positions' keys and values; return all of them."""
+        if self.k is not None:
+            k, v = torch.cat([self.k, k], dim=-2), torch.cat([self.v, v], dim=-2)
+        self.k, self.v = k, v
+        return k, v
 
 
 class MultiHeadAttention(HookedRootModule):
@@ -119,16 +209,7 @@ class MultiHeadAttention(HookedRootModule):
         fast_path: bool = False,
     ) -> None:
         super().__init__()
-        d_model = validate.positive_int("d_model", d_model)
-        n_heads = validate.positive_int("n_heads", n_heads)
-        if d_head is None:
-            if d_model % n_heads:
-                raise ValueError(
-                    f"d_model: expected a multiple of n_heads={n_heads} when d_head is not "
-                    f"given, got {d_model}"
-                )
-            d_head = d_model // n_heads
-        d_head = validate.positive_int("d_head", d_head)
+        d_head = validate.head_size(d_model, n_heads, d_head)
         self.d_model, self.n_heads, self.d_head = d_model, n_heads, d_head
         self.fast_path = fast_path
 
@@ -157,43 +238,52 @@ class MultiHeadAttention(HookedRootModule):
             if bias is not None:
                 nn.init.zeros_(bias)
 
-    def _check_input(self, name: str, t: Tensor, batch: int | None = None) -> None:
-        if not isinstance(t, Tensor) or t.ndim != 3 or t.shape[-1] != self.d_model:
-            got = f"shape {tuple(t.shape)}" if isinstance(t, Tensor) else type(t).__name__
-            raise ValueError(
-                f"{name}: expected shape (batch, pos, d_model={self.d_model}), got {got}"
-            )
-        # Under autocast PyTorch casts inputs and weights itself.
-        if t.dtype != self.W_Q.dtype and not torch.is_autocast_enabled(t.device.type):
-            raise ValueError(
-                f"{name}: expected dtype {self.W_Q.dtype} (the dtype of the weights), "
-                f"got {t.dtype}; convert the input or the module with .to(dtype)"
-            )
-        if batch is not None and t.shape[0] != batch:
-            raise ValueError(
-                f"{name}: expected batch size {batch} (the batch size of x), got {t.shape[0]}"
-            )
-
     def forward(
         self,
         x: Float[Tensor, "batch q_pos d_model"],
         context: Float[Tensor, "batch k_pos d_model"] | None = None,
-        mask: Bool[Tensor, "... q_pos k_pos"] | None = None,
+        mask: Mask | None = None,
         *,
         causal: bool = False,
+        cache: LayerCache | None = None,
     ) -> Float[Tensor, "batch q_pos d_model"]:
         """Attend from every position of `x` to every allowed position of `context` (default `x`).
 
         `mask` is boolean, True = may attend, broadcastable to (batch, head, q_pos, k_pos):
         e.g. `causal_mask(q_pos)` or `padding_mask(tokens, pad_id)`. `causal=True` also hides
-        the keys after each query, as `causal_mask` does; on the fast path with no other mask,
-        SDPA does that itself (`is_causal=True`, FlashAttention on a GPU) with no mask built.
+        the keys after each query, as `causal_mask` does. `cache` keeps the keys and values of
+        earlier positions (chapter 6's KV cache): the queries are then the last positions.
         """
-        self._check_input("x", x)
+        validate.attention_input("x", x, self.d_model, self.W_Q.dtype)
         if context is None:
             context = x
         else:
-            self._check_input("context", context, batch=x.shape[0])
+            validate.attention_input("context", context, self.d_model, self.W_Q.dtype, x.shape[0])
+        q, k, v = self._project(x, context)
+        q, k, v = self.hook_q(q), self.hook_k(k), self.hook_v(v)
+        # Heads become a batch dimension: (batch, head, pos, d_head).
+        q, k, v = (einops.rearrange(t, "batch pos head d -> batch head pos d") for t in (q, k, v))
+        if cache is not None:
+            k, v = cache.extend(k, v)
+        validate.attention_inputs(q, k, v, mask)
+        mask, is_causal = self._mask(mask, causal, q.shape[-2], k.shape[-2], q.device)
+        v = zero_unseen(v, mask)
+        z = (
+            self._attend_fused(q, k, v, mask, is_causal)
+            if self.fast_path
+            else self._attend(q, k, v, mask)
+        )
+        z = self.hook_z(einops.rearrange(z, "batch head q_pos d -> batch q_pos head d"))
+        # Concatenating the heads and multiplying by a (head d_head, d_model) matrix is the same
+        # as projecting each head with its own W_O[head] and summing over heads.
+        out = einops.einsum(
+            z, self.W_O, "batch q_pos head d_head, head d_head d_model -> batch q_pos d_model"
+        )
+        return out if self.b_O is None else out + self.b_O
+
+    def _project(self, x: Tensor, context: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """q from `x`, k and v from `context`, each (batch, pos, head, d_head). The fast path
+        projects self-attention's q, k and v with one matmul (the same numbers)."""
 
         def project(inp: Tensor, W: Tensor, b: Tensor | None) -> Tensor:
             out = einops.einsum(
@@ -201,52 +291,46 @@ class MultiHeadAttention(HookedRootModule):
             )
             return out if b is None else out + b
 
-        if self.fast_path and context is x:  # self-attention: one matmul for q, k and v
+        if self.fast_path and context is x:
             W = torch.cat([self.W_Q, self.W_K, self.W_V], dim=-1)
             b = None if self.b_Q is None else torch.cat([self.b_Q, self.b_K, self.b_V], dim=-1)
-            q, k, v = project(x, W, b).split(self.d_head, dim=-1)
-        else:
-            q, k, v = (
-                project(inp, W, b)
-                for inp, W, b in (
-                    (x, self.W_Q, self.b_Q),
-                    (context, self.W_K, self.b_K),
-                    (context, self.W_V, self.b_V),
-                )
-            )
-        q, k, v = self.hook_q(q), self.hook_k(k), self.hook_v(v)
-        # Heads become a batch dimension: (batch, head, pos, d_head).
-        q, k, v = (
-            einops.rearrange(t, "batch pos head d_head -> batch head pos d_head") for t in (q, k, v)
+            return project(x, W, b).split(self.d_head, dim=-1)
+        return project(x, self.W_Q, self.b_Q), *(
+            project(context, W, b) for W, b in ((self.W_K, self.b_K), (self.W_V, self.b_V))
         )
-        validate.attention_inputs(q, k, v, mask)
-        if causal and (mask is not None or not self.fast_path or q.shape[-2] != k.shape[-2]):
-            allowed = causal_mask(q.shape[-2], k.shape[-2], device=q.device)
-            mask, causal = (allowed if mask is None else allowed & mask), False
-        v = zero_unseen(v, mask)
 
-        if self.fast_path:
-            # The fused kernel adds -inf to masked scores, and NaN + -inf is NaN: zero k as well.
-            k = zero_unseen(k, mask)
-            z = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal)
-            if mask is not None:  # rows with no allowed key are zero, whichever kernel ran
-                z = z.masked_fill(~mask.any(dim=-1, keepdim=True), 0.0)
-        else:
-            # Scores are float32 for half-precision inputs; the pattern has the input's dtype.
-            scores = self.hook_attn_scores(fill_masked(attention_scores(q, k), mask))
-            pattern = scores.softmax(dim=-1)
-            if mask is not None:  # as in masked_softmax: rows with no allowed key become zeros
-                pattern = pattern.masked_fill(~mask, 0.0)
-            pattern = self.hook_pattern(pattern.to(v.dtype))
-            z = einops.einsum(pattern, v, "... q_pos k_pos, ... k_pos d_head -> ... q_pos d_head")
-        z = self.hook_z(einops.rearrange(z, "batch head q_pos d_head -> batch q_pos head d_head"))
+    def _mask(self, mask, causal: bool, q_len: int, k_len: int, device) -> tuple[Tensor, bool]:
+        """The mask to apply, and whether the fused kernel applies the causal mask itself: with no
+        other mask and as many queries as keys, `is_causal=True` builds no mask (and lets
+        FlashAttention run on a GPU)."""
+        if mask is not None:  # as (batch, head, q_pos, k_pos), the shape the fused kernel reads
+            mask = mask.reshape((1,) * (4 - mask.ndim) + mask.shape)
+        if not causal:
+            return mask, False
+        if self.fast_path and mask is None and q_len == k_len:
+            return None, True
+        allowed = causal_mask(q_len, k_len, device=device)
+        return (allowed if mask is None else allowed & mask), False
 
-        # Concatenating the heads and multiplying by a (head d_head, d_model) matrix is the same
-        # as projecting each head with its own W_O[head] and summing over heads.
-        out = einops.einsum(
-            z, self.W_O, "batch q_pos head d_head, head d_head d_model -> batch q_pos d_model"
+    def _attend(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> Tensor:
+        """The einsum path: scores and pattern are materialised and pass their hook points.
+        Scores are float32 for half-precision inputs; the pattern has the input's dtype."""
+        scores = self.hook_attn_scores(fill_masked(attention_scores(q, k), mask))
+        pattern = scores.softmax(dim=-1)
+        if mask is not None:  # as in masked_softmax: rows with no allowed key become zeros
+            pattern = pattern.masked_fill(~mask, 0.0)
+        pattern = self.hook_pattern(pattern.to(v.dtype))
+        return einops.einsum(pattern, v, "... q_pos k_pos, ... k_pos d_head -> ... q_pos d_head")
+
+    @staticmethod
+    def _attend_fused(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, is_causal: bool):
+        """PyTorch's fused kernel. It adds -inf to masked scores, and NaN + -inf is NaN: keys at
+        positions no query sees are zeroed as values are, and rows with no allowed key are
+        zeros, whichever kernel ran."""
+        z = F.scaled_dot_product_attention(
+            q, zero_unseen(k, mask), v, attn_mask=mask, is_causal=is_causal
         )
-        return out if self.b_O is None else out + self.b_O
+        return z if mask is None else z.masked_fill(~mask.any(dim=-1, keepdim=True), 0.0)
 
 
 def set_fast_path(model: nn.Module, enabled: bool = True) -> nn.Module:

@@ -22,7 +22,7 @@ from transformer_lens.hook_points import HookPoint
 from transformer_lens.HookedRootModule import HookedRootModule
 
 from transformer_course import validate
-from transformer_course.attention import MultiHeadAttention
+from transformer_course.attention import LayerCache, MultiHeadAttention
 from transformer_course.layernorm import LayerNorm
 
 __all__ = ["ACTIVATIONS", "MLP", "TransformerBlock", "residual_sublayer"]
@@ -175,22 +175,29 @@ class TransformerBlock(HookedRootModule):
     def forward(
         self,
         resid: Float[Tensor, "batch pos d_model"],
-        mask: Bool[Tensor, "... pos pos"] | None = None,
+        mask: Bool[Tensor, "*#batch #pos #pos"] | Bool[Tensor, "#pos"] | None = None,
         context: Float[Tensor, "batch context_pos d_model"] | None = None,
-        context_mask: Bool[Tensor, "... pos context_pos"] | None = None,
+        context_mask: Bool[Tensor, "*#batch #pos #context_pos"]
+        | Bool[Tensor, "#context_pos"]
+        | None = None,
+        *,
+        cache: LayerCache | None = None,
     ) -> Float[Tensor, "batch pos d_model"]:
         """Run the block. `mask` (True = may attend), e.g. `padding_mask(tokens, pad_id)`,
         restricts the keys self-attention sees, on top of the causal mask when `self.causal`.
         `context` and `context_mask` feed the cross-attention: the encoder's output and the
-        source padding mask."""
+        source padding mask. `cache` holds the keys and values of earlier
+        positions, which self-attention extends with this call's."""
         self._validate_inputs(resid, context)
-        wiring = dict(norm=self.norm, dropout=self.dropout)
+        norm_and_dropout = dict(norm=self.norm, dropout=self.dropout)
         resid = self.hook_resid_pre(resid)
 
         def attend(x: Tensor) -> Tensor:
-            return self.attn(x, mask=mask, causal=self.causal)
+            return self.attn(x, mask=mask, causal=self.causal, cache=cache)
 
-        resid = residual_sublayer(resid, attend, self.ln1, hook_out=self.hook_attn_out, **wiring)
+        resid = residual_sublayer(
+            resid, attend, self.ln1, hook_out=self.hook_attn_out, **norm_and_dropout
+        )
         resid = self.hook_resid_mid(resid)
         if self.cross_attention:
 
@@ -198,8 +205,14 @@ class TransformerBlock(HookedRootModule):
                 return self.cross_attn(x, context, mask=context_mask)
 
             resid = residual_sublayer(
-                resid, attend_to_context, self.ln_cross, hook_out=self.hook_cross_attn_out, **wiring
+                resid,
+                attend_to_context,
+                self.ln_cross,
+                hook_out=self.hook_cross_attn_out,
+                **norm_and_dropout,
             )
             resid = self.hook_resid_mid_cross(resid)
-        resid = residual_sublayer(resid, self.mlp, self.ln2, hook_out=self.hook_mlp_out, **wiring)
+        resid = residual_sublayer(
+            resid, self.mlp, self.ln2, hook_out=self.hook_mlp_out, **norm_and_dropout
+        )
         return self.hook_resid_post(resid)

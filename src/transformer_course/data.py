@@ -21,9 +21,6 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from transformer_course.tokenization import BPETokenizer
-from transformer_course.tokenizer_files import read_gpt2_files
-
 MIRROR_ENV = "TRANSFORMER_COURSE_DATA"
 DOWNLOAD_TIMEOUT_S = 60
 
@@ -130,7 +127,14 @@ def _lookup(dataset: str, name: str) -> DataFile:
 
 def _download(file: DataFile, target: Path) -> None:
     """Download `file` to `target` atomically: a partial download never sits at `target`."""
-    target.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise DataError(
+            f"cannot create the cache folder {target.parent} for {file.dataset}/{file.name} "
+            f"({exc.strerror or exc}). Set XDG_CACHE_HOME to a writable folder, or put the file "
+            f"at <mirror>/{file.dataset}/{file.name} and set {MIRROR_ENV}=<mirror>."
+        ) from exc
     try:
         with urllib.request.urlopen(file.url, timeout=DOWNLOAD_TIMEOUT_S) as response:
             payload = response.read()
@@ -213,14 +217,3 @@ def load_translation_pairs(name: str = "spa-eng") -> list[tuple[str, str]]:
             raise DataError(f"{path}:{number}: expected 'source<TAB>target', got {line!r}")
         pairs.append((fields[0], fields[1]))
     return pairs
-
-
-def load_gpt2_tokenizer() -> BPETokenizer:
-    """OpenAI's GPT-2 tokenizer (50,257 tokens, `<|endoftext|>` = 50256) as a course `BPETokenizer`.
-
-    Built from the two files OpenAI published (`encoder.json`, `vocab.bpe`), the same files
-    tiktoken's `gpt2` encoding and Hugging Face's `gpt2` tokenizer are made from.
-    """
-    tables = read_gpt2_files(fetch("gpt2", "encoder.json"), fetch("gpt2", "vocab.bpe"))
-    # tests/test_gpt2_tokenizer.py checks that every token's bytes encode as that token
-    return BPETokenizer(**tables, tokens_encode_whole=True)

@@ -7,15 +7,14 @@ cross-attention to the encoder's output, then an MLP. Both stacks are made of th
 paper) or before each sublayer ("pre-LN", `norm="pre"`).
 
 Parameter names follow TransformerLens (`W_E`, `W_U`, `b_U`; attention `W_Q ... b_O`; MLP
-`W_in ... b_out`; layer norm `w`, `b`). Decoding lives in `decoding`, the tokenizers, data and
-`translate` in `translation`; the names COURSE.md lists here are found here too.
+`W_in ... b_out`; layer norm `w`, `b`). Decoding, and `translate` from strings to strings, live
+in `decoding` and are importable from here too; the data and the training run in `translation`.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import InitVar, dataclass
-from typing import Any
 
 import torch
 from jaxtyping import Bool, Float, Int
@@ -23,7 +22,7 @@ from torch import Tensor, nn
 
 from transformer_course import validate
 from transformer_course.blocks import ACTIVATIONS, TransformerBlock
-from transformer_course.decoding import beam_search, greedy_decode
+from transformer_course.decoding import beam_search, greedy_decode, translate
 from transformer_course.layernorm import LayerNorm
 from transformer_course.masking import padding_mask
 
@@ -35,11 +34,10 @@ __all__ = [
     "greedy_decode",
     "label_smoothed_cross_entropy",
     "sinusoidal_positional_encoding",
+    "translate",
 ]
 
-# Token tensors must be signed integers: indexing with uint8 or bool selects by mask instead.
-TOKEN_DTYPES = (torch.int8, torch.int16, torch.int32, torch.int64)
-D_MLP_DEFAULT = 2048
+D_MLP_DEFAULT, N_CTX_DEFAULT = 2048, 256
 
 
 @dataclass
@@ -47,7 +45,9 @@ class Seq2SeqConfig:
     """Sizes of the model; the defaults are the paper's base model.
 
     `d_mlp` is the MLP's width, which the paper calls `d_ff`: `Seq2SeqConfig(d_ff=...)` sets it
-    too, and `cfg.d_ff` reads it. `norm` is `"post"` (the paper) or `"pre"`.
+    too, and `cfg.d_ff` reads it. `n_ctx` is the most tokens a source or a target may have
+    (`max_len` is its former name, accepted and read the same way). `norm` is `"post"` (the
+    paper) or `"pre"`.
     `share_embeddings` uses one embedding matrix for source and target (needs one shared
     vocabulary); `tie_embeddings` reuses the target embedding as the output projection
     (Press & Wolf, 2017).
@@ -62,7 +62,7 @@ class Seq2SeqConfig:
     n_layers: int = 6
     d_mlp: int = D_MLP_DEFAULT
     dropout: float = 0.1
-    max_len: int = 256
+    n_ctx: int = N_CTX_DEFAULT
     pad_id: int = 0
     norm: str = "post"
     act_fn: str = "relu"
@@ -70,16 +70,12 @@ class Seq2SeqConfig:
     share_embeddings: bool = False
     tie_embeddings: bool = False
     d_ff: InitVar[int | None] = None  # the paper's name for d_mlp, accepted as a keyword
+    max_len: InitVar[int | None] = None  # the former name of n_ctx
 
-    def __post_init__(self, d_ff: int | None) -> None:
-        if d_ff is not None:
-            if self.d_mlp not in (D_MLP_DEFAULT, d_ff):
-                raise ValueError(
-                    f"d_ff: the paper's name for d_mlp; give one of them, got d_ff={d_ff!r} "
-                    f"and d_mlp={self.d_mlp!r}"
-                )
-            self.d_mlp = d_ff
-        sizes = ("src_vocab", "tgt_vocab", "d_model", "n_heads", "n_layers", "d_mlp", "max_len")
+    def __post_init__(self, d_ff: int | None, max_len: int | None) -> None:
+        self.d_mlp = validate.alias("d_ff", d_ff, "d_mlp", self.d_mlp, D_MLP_DEFAULT)
+        self.n_ctx = validate.alias("max_len", max_len, "n_ctx", self.n_ctx, N_CTX_DEFAULT)
+        sizes = ("src_vocab", "tgt_vocab", "d_model", "n_heads", "n_layers", "d_mlp", "n_ctx")
         for name in sizes:
             validate.positive_int(name, getattr(self, name))
         if self.d_model % 2:
@@ -102,12 +98,13 @@ class Seq2SeqConfig:
             )
 
 
-# Read back under the paper's name too (a dataclass field cannot have two names).
+# Read back under the other names too (a dataclass field cannot have two names).
 Seq2SeqConfig.d_ff = property(lambda cfg: cfg.d_mlp, doc="The paper's name for `d_mlp`.")
+Seq2SeqConfig.max_len = property(lambda cfg: cfg.n_ctx, doc="The former name of `n_ctx`.")
 
 
 def sinusoidal_positional_encoding(
-    max_len: int,
+    seq_len: int,
     d_model: int,
     *,
     dtype: torch.dtype = torch.float32,
@@ -122,10 +119,10 @@ def sinusoidal_positional_encoding(
 
     Course: chapter 5, exercise 5.1, checked by checks.encoder_decoder.check_positional_encoding.
     """
-    position = torch.arange(max_len, dtype=torch.float64, device=device)[:, None]
+    position = torch.arange(seq_len, dtype=torch.float64, device=device)[:, None]
     two_i = torch.arange(0, d_model, 2, dtype=torch.float64, device=device)
     angles = position * 10000.0 ** (-two_i / d_model)  # (pos, d_model / 2)
-    pe = torch.zeros(max_len, d_model, dtype=torch.float64, device=device)
+    pe = torch.zeros(seq_len, d_model, dtype=torch.float64, device=device)
     pe[:, 0::2] = torch.sin(angles)
     pe[:, 1::2] = torch.cos(angles)
     return pe.to(dtype)
@@ -140,19 +137,13 @@ class TokenEmbedding(nn.Module):
     Course: chapter 5, exercise 5.2, checked by checks.encoder_decoder.check_token_embedding.
     """
 
-    def __init__(self, vocab: int, d_model: int, max_len: int, dropout: float = 0.0):
+    def __init__(self, d_vocab: int, d_model: int, dropout: float = 0.0):
         super().__init__()
-        self.d_model, self.max_len = d_model, max_len
-        self.W_E = nn.Parameter(torch.randn(vocab, d_model) * d_model**-0.5)
+        self.d_model = d_model
+        self.W_E = nn.Parameter(torch.randn(d_vocab, d_model) * d_model**-0.5)
         self.dropout = nn.Dropout(dropout)
 
     def forward(self, tokens: Int[Tensor, "batch pos"]) -> Float[Tensor, "batch pos d_model"]:
-        if tokens.shape[-1] > self.max_len:
-            raise ValueError(
-                f"tokens: expected at most max_len={self.max_len} positions, got "
-                f"{tokens.shape[-1]} (shape {tuple(tokens.shape)}); shorten the sentence or "
-                "build the model with a larger max_len"
-            )
         x = self.W_E[tokens] * math.sqrt(self.d_model)
         pe = sinusoidal_positional_encoding(
             tokens.shape[-1], self.d_model, dtype=x.dtype, device=x.device
@@ -173,11 +164,11 @@ class EncoderDecoderTransformer(nn.Module):
     def __init__(self, cfg: Seq2SeqConfig):
         super().__init__()
         self.cfg = cfg
-        self.src_embed = TokenEmbedding(cfg.src_vocab, cfg.d_model, cfg.max_len, cfg.dropout)
+        self.src_embed = TokenEmbedding(cfg.src_vocab, cfg.d_model, cfg.dropout)
         self.tgt_embed = (
             self.src_embed
             if cfg.share_embeddings
-            else TokenEmbedding(cfg.tgt_vocab, cfg.d_model, cfg.max_len, cfg.dropout)
+            else TokenEmbedding(cfg.tgt_vocab, cfg.d_model, cfg.dropout)
         )
 
         def block(*, decoder: bool) -> TransformerBlock:
@@ -206,40 +197,13 @@ class EncoderDecoderTransformer(nn.Module):
             self.W_U = nn.Parameter(torch.randn(cfg.d_model, cfg.tgt_vocab) * cfg.d_model**-0.5)
         self.b_U = nn.Parameter(torch.zeros(cfg.tgt_vocab))
 
-    def _validate_tokens(self, name: str, tokens: Any, vocab: int) -> None:
-        if not isinstance(tokens, Tensor) or tokens.ndim != 2 or tokens.dtype not in TOKEN_DTYPES:
-            got = (
-                f"{tokens.dtype} tensor of shape {tuple(tokens.shape)}"
-                if isinstance(tokens, Tensor)
-                else type(tokens).__name__
-            )
-            raise ValueError(
-                f"{name}: expected an integer tensor (int64, int32, ...) of shape (batch, pos), "
-                f"got {got}"
-            )
-        if tokens.shape[1] == 0:
-            raise ValueError(
-                f"{name}: expected at least one position, got shape {tuple(tokens.shape)}"
-            )
-        if tokens.numel() and (tokens.min() < 0 or tokens.max() >= vocab):
-            raise ValueError(
-                f"{name}: expected ids in [0, {vocab}), got values from {tokens.min()} to "
-                f"{tokens.max()}"
-            )
-        if tokens.shape[1] > self.cfg.max_len:
-            raise ValueError(
-                f"{name}: expected at most max_len={self.cfg.max_len} tokens, got "
-                f"{tokens.shape[1]} (shape {tuple(tokens.shape)}); shorten the sentence or "
-                "build the model with a larger max_len"
-            )
-
     def src_mask(self, src: Int[Tensor, "batch src_pos"]) -> Bool[Tensor, "batch 1 1 src_pos"]:
         """Which source positions may be attended to: every real token, no padding."""
         return padding_mask(src, self.cfg.pad_id)
 
     def encode(self, src: Int[Tensor, "batch src_pos"]) -> Float[Tensor, "batch src_pos d_model"]:
         """The encoder's output (the "memory" the decoder attends to)."""
-        self._validate_tokens("src", src, self.cfg.src_vocab)
+        validate.token_tensor("src", src, self.cfg.src_vocab, n_ctx=self.cfg.n_ctx)
         x = self.src_embed(src)
         mask = self.src_mask(src)
         for block in self.encoder:
@@ -254,7 +218,7 @@ class EncoderDecoderTransformer(nn.Module):
     ) -> Float[Tensor, "batch tgt_pos tgt_vocab"]:
         """Logits for the token after each target position, given the encoder's memory. The
         decoder blocks are causal; the target's padding mask hides its padding besides."""
-        self._validate_tokens("tgt", tgt, self.cfg.tgt_vocab)
+        validate.token_tensor("tgt", tgt, self.cfg.tgt_vocab, n_ctx=self.cfg.n_ctx)
         x = self.tgt_embed(tgt)
         tgt_mask = padding_mask(tgt, self.cfg.pad_id)
         for block in self.decoder:
@@ -308,13 +272,3 @@ def label_smoothed_cross_entropy(
     uniform = -log_probs.mean(dim=-1)
     loss = (1 - smoothing) * nll + smoothing * uniform
     return (loss * keep).sum() / keep.sum().clamp(min=1)
-
-
-def __getattr__(name: str) -> Any:
-    """`translate` (strings to strings) lives in `translation`, beside the tokenizers and the
-    special tokens it needs; that module builds on this one, so it is imported on first use."""
-    if name == "translate":
-        from transformer_course.translation import translate
-
-        return translate
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -16,21 +16,22 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import einops
 import torch
-import torch.nn.functional as F
 from jaxtyping import Float, Int
 from torch import Tensor, nn
 from transformer_lens.hook_points import HookPoint
 from transformer_lens.HookedRootModule import HookedRootModule
 
 from transformer_course import validate
-from transformer_course.attention import scaled_dot_product_attention
+from transformer_course.attention import LayerCache
 from transformer_course.blocks import ACTIVATIONS, TransformerBlock
+from transformer_course.gpt2_weights import convert_hf_gpt2_state_dict
 from transformer_course.layernorm import LayerNorm
-from transformer_course.masking import causal_mask
 from transformer_course.runtime import evaluating
+from transformer_course.training import lm_loss
 
 __all__ = [
     "GPT2Config",
@@ -39,7 +40,6 @@ __all__ = [
     "Unembed",
     "TiedUnembed",
     "GPT2",
-    "validate_tokens",
     "generate",
     "top_p_filter",
     "KVCache",
@@ -47,6 +47,10 @@ __all__ = [
     "train_step",
     "lm_loss",
 ]
+
+
+# Options of Hugging Face's GPT2Config that change the computation away from GPT-2's.
+NOT_GPT2 = ("scale_attn_by_inverse_layer_idx", "reorder_and_upcast_attn", "add_cross_attention")
 
 
 @dataclass
@@ -94,6 +98,26 @@ class GPT2Config:
         validate.number("layer_norm_eps", self.layer_norm_eps, low=0, low_open=True)
         validate.number("init_range", self.init_range, low=0, low_open=True)
         validate.one_of("act_fn", self.act_fn, ACTIVATIONS)
+
+    @classmethod
+    def from_huggingface(cls, hf_config: Any) -> GPT2Config:
+        """The `GPT2Config` of a Hugging Face `GPT2Config`, refusing options GPT-2 does not have."""
+        for option in NOT_GPT2:
+            if getattr(hf_config, option, False):
+                raise ValueError(f"hf_config.{option}: expected False (as in GPT-2), got True")
+        if not getattr(hf_config, "scale_attn_weights", True):
+            raise ValueError("hf_config.scale_attn_weights: expected True (as in GPT-2), got False")
+        return cls(
+            d_model=hf_config.n_embd,
+            n_layers=hf_config.n_layer,
+            n_heads=hf_config.n_head,
+            d_mlp=hf_config.n_inner or 4 * hf_config.n_embd,
+            d_vocab=hf_config.vocab_size,
+            n_ctx=hf_config.n_positions,
+            layer_norm_eps=hf_config.layer_norm_epsilon,
+            init_range=hf_config.initializer_range,
+            act_fn=hf_config.activation_function,
+        )
 
 
 class Embed(nn.Module):
@@ -164,38 +188,6 @@ class TiedUnembed(nn.Module):
         return x @ self.W_E.T + self.b_U
 
 
-TOKEN_DTYPES = (torch.int64, torch.int32)
-
-
-def validate_tokens(tokens: object, cfg: GPT2Config, *, any_length: bool = False) -> None:
-    """Raise a clear error unless `tokens` is an integer `(batch, pos)` tensor the model can read
-    (`any_length=True` allows more than `n_ctx` positions, for a caller that crops them).
-
-    Course: chapter 6.
-    """
-    if not isinstance(tokens, Tensor):
-        raise TypeError(
-            "tokens: expected an integer torch.Tensor of shape (batch, pos), "
-            f"got {type(tokens).__name__}"
-        )
-    if tokens.dtype not in TOKEN_DTYPES:
-        # uint8 and bool tensors would index W_E as a mask, not as ids.
-        raise TypeError(f"tokens: expected an integer dtype (torch.long), got {tokens.dtype}")
-    if tokens.ndim != 2:
-        raise ValueError(f"tokens: expected shape (batch, pos), got {tuple(tokens.shape)}")
-    if tokens.shape[1] > cfg.n_ctx and not any_length:
-        raise ValueError(
-            f"tokens: expected at most n_ctx={cfg.n_ctx} positions, got {tokens.shape[1]} "
-            f"(shape {tuple(tokens.shape)}); crop the context to the last n_ctx tokens"
-        )
-    if tokens.numel() and not torch.compiler.is_compiling():
-        low, high = torch.stack(torch.aminmax(tokens)).tolist()  # one device synchronisation
-        if low < 0 or high >= cfg.d_vocab:
-            raise ValueError(
-                f"tokens: expected ids in [0, d_vocab={cfg.d_vocab}), got ids from {low} to {high}"
-            )
-
-
 class GPT2(HookedRootModule):
     """GPT-2: embed, add positions, run the blocks, normalise, unembed.
 
@@ -260,7 +252,7 @@ class GPT2(HookedRootModule):
                 del state_dict[key]
 
     def forward(self, tokens: Int[Tensor, "batch pos"]) -> Float[Tensor, "batch pos d_vocab"]:
-        validate_tokens(tokens, self.cfg)
+        validate.token_tensor("tokens", tokens, self.cfg.d_vocab, n_ctx=self.cfg.n_ctx)
         embed = self.hook_embed(self.embed(tokens))
         pos_embed = self.hook_pos_embed(self.pos_embed(tokens))
         residual: Float[Tensor, "batch pos d_model"] = self.dropout(embed + pos_embed)
@@ -280,11 +272,6 @@ class GPT2(HookedRootModule):
     def from_huggingface(cls, hf_model: nn.Module) -> GPT2:
         """A `GPT2` holding the weights of a Hugging Face `GPT2LMHeadModel`, on its device and
         in its dtype (the conversion is `gpt2_weights.convert_hf_gpt2_state_dict`)."""
-        from transformer_course.gpt2_weights import (  # gpt2_weights imports GPT2Config from here
-            config_from_huggingface,
-            convert_hf_gpt2_state_dict,
-        )
-
         hf_cfg = getattr(hf_model, "config", None)
         if not isinstance(hf_model, nn.Module) or getattr(hf_cfg, "model_type", None) != "gpt2":
             raise TypeError(
@@ -292,8 +279,10 @@ class GPT2(HookedRootModule):
                 f"got {type(hf_model).__name__} with model_type "
                 f"{getattr(hf_cfg, 'model_type', None)!r}"
             )
-        cfg = config_from_huggingface(hf_cfg)
-        state = convert_hf_gpt2_state_dict(hf_model.state_dict(), cfg)
+        cfg = GPT2Config.from_huggingface(hf_cfg)
+        state = convert_hf_gpt2_state_dict(
+            hf_model.state_dict(), n_layers=cfg.n_layers, n_heads=cfg.n_heads
+        )
         model = cls(cfg)
         model.load_state_dict(state)
         W_E = state["embed.W_E"]
@@ -326,12 +315,7 @@ def generate(
         validate.positive_int("top_k", top_k)
     if top_p is not None:
         validate.number("top_p", top_p, low=0, low_open=True, high=1)
-    validate_tokens(tokens, model.cfg, any_length=True)
-    if tokens.shape[1] == 0:
-        raise ValueError(
-            "tokens: expected at least one token per row to continue from, "
-            f"got shape {tuple(tokens.shape)}"
-        )
+    validate.token_tensor("tokens", tokens, model.cfg.d_vocab)
     with evaluating(model):
         for _ in range(max_new_tokens):
             context = tokens[:, -model.cfg.n_ctx :]
@@ -390,40 +374,21 @@ def forward_with_cache(
     block, the keys and the values of every earlier position, each of shape
     `(batch, n_heads, pos, d_head)`. An earlier position's keys and values never change (it
     attends only to itself and to positions before it), so one generation step runs only the
-    new token through the model. The new positions are numbered after the cached ones; each new
-    query attends to every cached key and to the new keys up to its own. The logits are those
-    of `model(all the tokens so far)` at the new positions. For generation: no dropout, no
-    hooks, at most `n_ctx` positions in all.
+    new token through the model. The new positions are numbered after the cached ones, and
+    each block runs its own forward with its cached keys and values, where each new query
+    attends to every cached key and to the new keys up to its own. The logits are those of
+    `model(all the tokens so far)` at the new positions. For generation: eval mode, at most
+    `n_ctx` positions in all.
 
     Course: chapter 6, exercise 6.11, checked by checks.gpt2.check_kv_cache.
     """
-    validate_tokens(tokens, model.cfg)
+    layers = [LayerCache(*pair) for pair in cache or [(None, None)] * model.cfg.n_layers]
     start = 0 if cache is None else cache[0][0].shape[-2]
-    end = start + tokens.shape[1]
-    if end > model.cfg.n_ctx:
-        raise ValueError(
-            f"tokens: expected at most n_ctx={model.cfg.n_ctx} positions with the {start} "
-            f"cached ones, got {end}"
-        )
-    residual = model.embed(tokens) + model.pos_embed.W_pos[start:end]
-    mask = causal_mask(tokens.shape[1], end, device=tokens.device)  # the last query sees all
-    new_cache = []
-    for layer, block in enumerate(model.blocks):
-        attn, x = block.attn, block.ln1(residual)
-        q, k, v = (
-            einops.einsum(x, W, "batch pos d_model, head d_model d_head -> batch head pos d_head")
-            + b[:, None]
-            for W, b in ((attn.W_Q, attn.b_Q), (attn.W_K, attn.b_K), (attn.W_V, attn.b_V))
-        )
-        if cache is not None:
-            k = torch.cat([cache[layer][0], k], dim=-2)
-            v = torch.cat([cache[layer][1], v], dim=-2)
-        new_cache.append((k, v))
-        z, _ = scaled_dot_product_attention(q, k, v, mask)
-        z = einops.rearrange(z, "batch head pos d_head -> batch pos (head d_head)")
-        residual = residual + z @ attn.W_O.flatten(0, 1) + attn.b_O  # heads concatenated
-        residual = residual + block.mlp(block.ln2(residual))
-    return model.unembed(model.ln_final(residual)), new_cache
+    validate.token_tensor("tokens", tokens, model.cfg.d_vocab, n_ctx=model.cfg.n_ctx, cached=start)
+    residual = model.embed(tokens) + model.pos_embed.W_pos[start : start + tokens.shape[1]]
+    for block, layer in zip(model.blocks, layers):
+        residual = block(residual, cache=layer)
+    return model.unembed(model.ln_final(residual)), [(layer.k, layer.v) for layer in layers]
 
 
 def train_step(
@@ -447,18 +412,3 @@ def train_step(
         torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
     optimizer.step()
     return loss.item()
-
-
-def lm_loss(
-    logits: Float[Tensor, "batch pos d_vocab"], targets: Int[Tensor, "batch pos"]
-) -> Float[Tensor, ""]:
-    """Mean cross-entropy of the next-token predictions (`targets` are the inputs shifted by one).
-
-    Course: chapter 6.
-    """
-    if logits.shape[:-1] != targets.shape:
-        raise ValueError(
-            f"targets: expected shape {tuple(logits.shape[:-1])} (logits without d_vocab), "
-            f"got {tuple(targets.shape)}"
-        )
-    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())

@@ -1,5 +1,5 @@
-"""Hugging Face's GPT-2 in the course's layout: its config as a `GPT2Config`, its weights as a
-state dict that `GPT2.load_state_dict` takes.
+"""Hugging Face's GPT-2 weights in the course's layout: a state dict that `GPT2.load_state_dict`
+takes. (Its config becomes a `GPT2Config` with `GPT2Config.from_huggingface`.)
 
 Hugging Face keeps OpenAI's TensorFlow layout. Its `Conv1D` layers store each weight as
 `(d_in, d_out)`, the transpose of `nn.Linear` and the layout of our `x @ W` matrices, so no
@@ -12,60 +12,30 @@ conversion is `transformer_lens.pretrained.weight_conversions.convert_gpt2_weigh
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
 
 import einops
-import torch
 from torch import Tensor
 
-from transformer_course.gpt2 import GPT2Config
-
-__all__ = ["config_from_huggingface", "convert_hf_gpt2_state_dict"]
-
-# Options of Hugging Face's GPT2Config that change the computation away from GPT-2's.
-NOT_GPT2 = ("scale_attn_by_inverse_layer_idx", "reorder_and_upcast_attn", "add_cross_attention")
-
-
-def config_from_huggingface(hf_config: Any) -> GPT2Config:
-    """The `GPT2Config` of a Hugging Face `GPT2Config`, refusing options GPT-2 does not have.
-
-    Course: chapter 6.
-    """
-    for option in NOT_GPT2:
-        if getattr(hf_config, option, False):
-            raise ValueError(f"hf_config.{option}: expected False (as in GPT-2), got True")
-    if not getattr(hf_config, "scale_attn_weights", True):
-        raise ValueError("hf_config.scale_attn_weights: expected True (as in GPT-2), got False")
-    return GPT2Config(
-        d_model=hf_config.n_embd,
-        n_layers=hf_config.n_layer,
-        n_heads=hf_config.n_head,
-        d_mlp=hf_config.n_inner or 4 * hf_config.n_embd,
-        d_vocab=hf_config.vocab_size,
-        n_ctx=hf_config.n_positions,
-        layer_norm_eps=hf_config.layer_norm_epsilon,
-        init_range=hf_config.initializer_range,
-        act_fn=hf_config.activation_function,
-    )
+__all__ = ["convert_hf_gpt2_state_dict"]
 
 
 def convert_hf_gpt2_state_dict(
-    hf_state_dict: Mapping[str, Tensor], cfg: GPT2Config
+    hf_state_dict: Mapping[str, Tensor], *, n_layers: int, n_heads: int
 ) -> dict[str, Tensor]:
     """The weights of a Hugging Face `GPT2LMHeadModel` (its `state_dict()`) under the course's
-    (TransformerLens's) names and shapes, for a `GPT2` of configuration `cfg`.
+    (TransformerLens's) names and shapes, for a `GPT2` of `n_layers` blocks of `n_heads` heads.
 
     `unembed.W_U` is `lm_head.weight` transposed (its own tensor, as in TransformerLens) and
     `unembed.b_U` is zero. The tensors keep their dtype and device.
 
     Course: chapter 6.
     """
-    last_layer = f"transformer.h.{cfg.n_layers - 1}.attn.c_attn.weight"
+    last_layer = f"transformer.h.{n_layers - 1}.attn.c_attn.weight"
     for key in ("transformer.wte.weight", "lm_head.weight", last_layer):
         if key not in hf_state_dict:
             raise TypeError(
                 f"hf_state_dict: expected the state dict of a GPT2LMHeadModel with "
-                f"n_layers={cfg.n_layers}, but {key!r} is missing"
+                f"n_layers={n_layers}, but {key!r} is missing"
             )
     hf = hf_state_dict
     lm_head = hf["lm_head.weight"]
@@ -75,10 +45,10 @@ def convert_hf_gpt2_state_dict(
         "ln_final.w": hf["transformer.ln_f.weight"],
         "ln_final.b": hf["transformer.ln_f.bias"],
         "unembed.W_U": lm_head.T,
-        "unembed.b_U": torch.zeros(cfg.d_vocab, dtype=lm_head.dtype, device=lm_head.device),
+        "unembed.b_U": lm_head.new_zeros(lm_head.shape[0]),
     }
-    for layer in range(cfg.n_layers):
-        state.update(_convert_block(hf, f"transformer.h.{layer}.", f"blocks.{layer}.", cfg.n_heads))
+    for layer in range(n_layers):
+        state.update(_convert_block(hf, f"transformer.h.{layer}.", f"blocks.{layer}.", n_heads))
     return state
 
 

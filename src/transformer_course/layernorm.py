@@ -14,7 +14,7 @@ from torch import Tensor, nn
 from transformer_lens.hook_points import HookPoint
 
 from transformer_course import validate
-from transformer_course.masking import upcast
+from transformer_course.runtime import upcast
 
 
 class LayerNorm(nn.Module):

@@ -38,8 +38,8 @@ def get_profile() -> str:
     return profile
 
 
-def pick(*, quick: T, full: T) -> T:
-    """Choose a setting by profile: `n_steps = pick(quick=200, full=5000)`."""
+def by_profile(*, quick: T, full: T) -> T:
+    """Choose a setting by profile: `n_steps = by_profile(quick=200, full=5000)`."""
     return full if get_profile() == "full" else quick
 
 
@@ -63,7 +63,17 @@ def evaluating(model: torch.nn.Module) -> Iterator[torch.nn.Module]:
         model.train(was_training)
 
 
-def describe() -> str:
+def describe_run() -> str:
     """One line saying which profile and device this run uses, for the top of every notebook."""
     device = get_device()
     return f"profile={get_profile()} device={device.type} torch={torch.__version__}"
+
+
+def upcast(t: torch.Tensor) -> torch.Tensor:
+    """`t` in float32 if it is float16 or bfloat16, else unchanged: the dtype to accumulate in.
+
+    Half precision loses too much in a long sum, and float16 overflows above 65504.
+
+    Course: chapter 3.
+    """
+    return t.to(torch.promote_types(t.dtype, torch.float32))

@@ -8,26 +8,25 @@ Two tokenizers share one small interface (`encode`, `decode`, `vocab_size`):
   frequent neighbouring pairs into new tokens.
 
 The small functions the BPE tokenizer is built from (`get_pair_counts`, `merge_pair`,
-`train_merges`, `encode_chunk`, `decode_ids`) are the chapter's exercises. Reading GPT-2's and
-Hugging Face's tokenizer files is the job of `tokenizer_files`.
+`train_merges`, `encode_chunk`, `decode_ids`) are the chapter's exercises. Reading and writing
+tokenizer files (the course's, GPT-2's, Hugging Face's) is the job of `tokenizer_files`.
 """
 
 from __future__ import annotations
 
 import heapq
-import json
 import re
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from itertools import chain
-from numbers import Integral
 from pathlib import Path
 from typing import Any
 
 import regex
 
-from transformer_course import validate
-from transformer_course.files import atomic_write
+from transformer_course import tokenizer_files, validate
+from transformer_course.data import fetch
+from transformer_course.tokenizer_files import GPT2_SPLIT_PATTERN, TokenPair, check_tables
 
 __all__ = [
     "GPT2_SPLIT_PATTERN",
@@ -36,25 +35,17 @@ __all__ = [
     "CharTokenizer",
     "TokenPair",
     "Tokenizer",
+    "count_chunks",
     "decode_ids",
     "encode_chunk",
     "encode_long_chunk",
     "get_pair_counts",
     "merge_pair",
     "split_chunks",
+    "load_gpt2_tokenizer",
     "train_merges",
 ]
 
-TokenPair = tuple[int, int]  # two neighbouring token ids
-
-# GPT-2's pre-split (Radford et al., 2019): contractions, letters, digits, other symbols and
-# whitespace become separate chunks, and merges never cross a chunk boundary.
-GPT2_SPLIT_PATTERN = (
-    r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
-)
-
-FILE_FORMAT = "transformer_course.bpe"
-FILE_VERSION = 1
 CACHE_SIZE = 1_000_000  # chunks, and words, whose ids a BPETokenizer remembers (each)
 SHORT_CHUNK = 48  # up to this many bytes, encode_chunk's scan beats encode_long_chunk's heap
 
@@ -249,52 +240,6 @@ def split_chunks(text: str, split: regex.Pattern | None) -> list[str]:
 # --- checking what a tokenizer is built from ---------------------------------------------------
 
 
-def _is_id(value: Any) -> bool:
-    return isinstance(value, Integral) and not isinstance(value, bool)
-
-
-def _check_tables(
-    vocab: Mapping[int, bytes], merges: Mapping[TokenPair, int], special_tokens: Mapping[str, int]
-) -> None:
-    """Raise a clear error unless ids are 0..len(vocab)-1 and merges and special tokens agree with
-    the vocabulary: tables that disagree would encode or decode wrongly without an error."""
-    for i, token in vocab.items():
-        if not _is_id(i) or not 0 <= i < len(vocab):
-            raise ValueError(
-                f"vocab: expected ids 0..{len(vocab) - 1} (one per token), got id {i!r}"
-            )
-        if not isinstance(token, bytes) or not token:
-            raise ValueError(f"vocab: expected non-empty bytes for id {i}, got {token!r}")
-    created: set[int] = set()
-    for rank, (pair, new_id) in enumerate(merges.items()):
-        ids = (*pair, new_id) if isinstance(pair, tuple) and len(pair) == 2 else ()
-        if not ids or any(not _is_id(j) or j not in vocab for j in ids):
-            raise ValueError(
-                "merges: expected a pair of ids in the vocabulary and a new id, "
-                f"got {pair} -> {new_id}"
-            )
-        if vocab[new_id] != vocab[pair[0]] + vocab[pair[1]]:
-            raise ValueError(
-                f"merges: merge {rank} {pair} -> {new_id} disagrees with vocab: expected the bytes "
-                f"{vocab[pair[0]] + vocab[pair[1]]!r}, vocab has {vocab[new_id]!r}"
-            )
-        if new_id in created:
-            raise ValueError(
-                f"merges: expected each merge to create a new id, got {new_id} twice (merge {rank})"
-            )
-        created.add(new_id)
-    for token, i in special_tokens.items():
-        if not isinstance(token, str) or not token or not _is_id(i) or i not in vocab:
-            raise ValueError(
-                "special_tokens: expected non-empty strings with ids in the vocabulary, "
-                f"got {token!r}: {i!r}"
-            )
-        if vocab[i] != token.encode("utf-8"):
-            raise ValueError(
-                f"special_tokens: {token!r} has id {i}, but vocab has {vocab[i]!r} for that id"
-            )
-
-
 def _byte_ids(vocab: Mapping[int, bytes], special_ids: Iterable[int]) -> list[int]:
     """The id of each of the 256 single bytes (GPT-2's files order them differently from 0..255)."""
     specials = set(special_ids)
@@ -331,77 +276,22 @@ def _special_pattern(special_tokens: Iterable[str]) -> str:
     return "(" + "|".join(regex.escape(token) for token in ordered) + ")"
 
 
-# --- reading the course's tokenizer files ------------------------------------------------------
-
-
-def _read_text(path: Path, name: str) -> str:
-    """The text of `path`; a file that is not UTF-8 is a ValueError naming it and `name`."""
-    try:
-        return path.read_text(encoding="utf-8")
-    except UnicodeDecodeError as exc:
-        raise ValueError(f"{name}: {str(path)!r} is not UTF-8 text: {exc}") from None
-
-
-def _read_json(path: Path, name: str) -> Any:
-    """Parse the JSON file `path`; an unreadable one is a ValueError naming the file and `name`."""
-    text = _read_text(path, name)
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"{name}: {str(path)!r} is not valid JSON: {exc}") from None
-
-
-def _load_field(
-    state: dict[str, Any], name: str, kind: type | tuple[type, ...], expected: str
-) -> Any:
-    """`state[name]`, or a ValueError naming the field unless it is there and of type `kind`."""
-    if name not in state:
-        raise ValueError(f"field {name!r}: missing")
-    value = state[name]
-    if isinstance(value, bool) or not isinstance(value, kind):
-        got = f"{type(value).__name__} {value!r:.60}"
-        raise ValueError(f"field {name!r}: expected {expected}, got {got}")
-    return value
-
-
-def _tables_from_state(state: dict[str, Any]) -> dict[str, Any]:
-    """The constructor arguments stored by `BPETokenizer.save`, each field checked by name."""
-    version = _load_field(state, "version", int, f"the version {FILE_VERSION}")
-    if version != FILE_VERSION:
-        raise ValueError(
-            f"field 'version': expected {FILE_VERSION} (the only version this code reads), "
-            f"got {version}"
-        )
-    vocab = {}
-    for key, token in _load_field(state, "vocab", dict, "an object {id: hex bytes}").items():
-        try:
-            i, token_bytes = int(key), bytes.fromhex(token)
-            if str(i) != key:
-                raise ValueError
-        except (TypeError, ValueError):
-            raise ValueError(
-                f"field 'vocab': expected a decimal id and hex bytes, got {key!r}: {token!r}"
-            ) from None
-        vocab[i] = token_bytes
-    merges = {}
-    listed = _load_field(state, "merges", list, "a list of [left, right, new_id]")
-    for rank, merge in enumerate(listed):
-        if not isinstance(merge, list) or len(merge) != 3 or not all(map(_is_id, merge)):
-            raise ValueError(
-                f"field 'merges': expected [left, right, new_id] ids, got {merge!r} at index {rank}"
-            )
-        merges[(merge[0], merge[1])] = merge[2]
-    if len(merges) != len(listed):
-        raise ValueError("field 'merges': expected each pair to be merged once, got one twice")
-    return {
-        "vocab": vocab,
-        "merges": merges,
-        "special_tokens": _load_field(state, "special_tokens", dict, "an object {token: id}"),
-        "pattern": _load_field(state, "pattern", (str, type(None)), "a regular expression or null"),
-    }
-
-
 # --- tokenizers ------------------------------------------------------------------------------
+
+
+def count_chunks(text: str, pattern: str | None, special_tokens: Sequence[str] = ()) -> Counter:
+    """How often each chunk's bytes occur in `text`, cut by `pattern` (None: the whole text is one
+    chunk) after the special tokens are cut out, so that no merge learned from them spans one.
+
+    Course: chapter 1.
+    """
+    pieces = [text]
+    if special_tokens:
+        pieces = regex.split(_special_pattern(special_tokens), text)[::2]
+    split = None if pattern is None else regex.compile(pattern)
+    return Counter(
+        chunk.encode("utf-8") for piece in pieces for chunk in split_chunks(piece, split)
+    )
 
 
 class _Memo(dict):
@@ -474,15 +364,12 @@ class CharTokenizer(Tokenizer):
 class BPETokenizer(Tokenizer):
     """Byte-level BPE: bytes in, merges of frequent pairs, special tokens recognised in text.
 
-    `vocab` maps every id to its bytes, `merges` maps each learned pair to the id it creates (in
-    training order: a merge's rank is its position), `special_tokens` maps strings such as
-    `"<|endoftext|>"` to ids, and `pattern` (if any) pre-splits text into chunks that merges
-    never cross. Build one with `train`, `load`, `from_huggingface` or `from_gpt2_files`; the
-    constructor refuses tables that disagree (a merge whose bytes are not its pair's, ids
-    outside 0..vocab_size-1), since they would encode or decode wrongly without an error.
-
-    `tokens_encode_whole=True` states that every token's bytes encode as that one token, so a
-    chunk that spells a token needs no merges (see `_token_ids_by_bytes` for when that holds).
+    `vocab` maps every id to its bytes, `merges` each learned pair to the id it creates (in
+    training order), `special_tokens` strings such as `"<|endoftext|>"` to ids, and `pattern`
+    (if any) pre-splits text into chunks that merges never cross. Build one with `train`, `load`,
+    `from_huggingface` or `from_gpt2_files`; tables that disagree are refused (`check_tables`).
+    `tokens_encode_whole=True` states that every token's bytes encode as that one token (see
+    `_token_ids_by_bytes`), so a chunk that spells a token needs no merges.
 
     Course: chapter 1, exercise 1.7, checked by checks.tokenization.check_bpe_encode.
     """
@@ -500,7 +387,7 @@ class BPETokenizer(Tokenizer):
         self.merges = dict(merges)
         self.pattern = validate.regex_pattern("pattern", pattern)
         self.special_tokens = dict(special_tokens or {})
-        _check_tables(self.vocab, self.merges, self.special_tokens)
+        check_tables(self.vocab, self.merges, self.special_tokens)
         self.ranks = {pair: rank for rank, pair in enumerate(self.merges)}
         self.byte_ids = _byte_ids(self.vocab, self.special_tokens.values())
         self._split = None if pattern is None else regex.compile(pattern)
@@ -534,13 +421,7 @@ class BPETokenizer(Tokenizer):
         special_tokens = validate.distinct_strings("special_tokens", special_tokens)
         smallest = 256 + len(special_tokens)
         validate.integer("vocab_size", vocab_size, low=smallest)
-        pieces = [text]
-        if special_tokens:
-            pieces = regex.split(_special_pattern(special_tokens), text)[::2]
-        split = None if pattern is None else regex.compile(pattern)
-        chunks = (chunk for piece in pieces for chunk in split_chunks(piece, split))
-        chunk_counts = Counter(chunk.encode("utf-8") for chunk in chunks)
-        merges = train_merges(chunk_counts, vocab_size - smallest)
+        merges = train_merges(count_chunks(text, pattern, special_tokens), vocab_size - smallest)
         vocab = {b: bytes([b]) for b in range(256)}
         for (left, right), new_id in merges.items():
             vocab[new_id] = vocab[left] + vocab[right]
@@ -611,44 +492,36 @@ class BPETokenizer(Tokenizer):
         return decode_ids(validate.token_ids("ids", ids, len(self.vocab)), self.vocab)
 
     def save(self, path: str | Path) -> None:
-        """Write the tokenizer as JSON (token bytes in hex), atomically (a crash keeps the old)."""
-        state = {
-            "format": FILE_FORMAT,
-            "version": FILE_VERSION,
-            "pattern": self.pattern,
-            "vocab": {str(i): token.hex() for i, token in self.vocab.items()},
-            "merges": [[left, right, new_id] for (left, right), new_id in self.merges.items()],
-            "special_tokens": self.special_tokens,
-        }
-        atomic_write(path, json.dumps(state, indent=1))
+        """Write the tokenizer as JSON, atomically (a crash keeps the old file)."""
+        tables = dict(vocab=self.vocab, merges=self.merges, special_tokens=self.special_tokens)
+        tokenizer_files.write_bpe(path, {**tables, "pattern": self.pattern})
 
     @classmethod
     def load(cls, path: str | Path) -> BPETokenizer:
-        """Read a tokenizer written by `save`, checking every field: a file that disagrees with
-        itself is refused with its name and the field, never loaded into a wrong tokenizer."""
-        path = Path(path)
-        state = _read_json(path, "path")
-        if not isinstance(state, dict) or state.get("format") != FILE_FORMAT:
-            found = state.get("format") if isinstance(state, dict) else type(state).__name__
-            raise ValueError(
-                f"path: expected a {FILE_FORMAT!r} JSON file written by BPETokenizer.save, "
-                f"got {found!r} in {str(path)!r}"
-            )
-        try:
-            return cls(**_tables_from_state(state))
-        except (TypeError, ValueError) as exc:
-            raise ValueError(f"path: {str(path)!r} is not a valid tokenizer file: {exc}") from None
+        """Read a tokenizer written by `save`; a file that disagrees with itself is refused with
+        its name and the field, never loaded into a wrong tokenizer."""
+        return cls(**tokenizer_files.read_bpe(path))
 
     @classmethod
     def from_gpt2_files(cls, vocab_json: str | Path, merges_txt: str | Path) -> BPETokenizer:
         """GPT-2's `vocab.json` and `merges.txt`, read by `tokenizer_files.read_gpt2_files`."""
-        from transformer_course import tokenizer_files  # imported here: it imports this module
-
         return cls(**tokenizer_files.read_gpt2_files(vocab_json, merges_txt))
 
     @classmethod
     def from_huggingface(cls, tokenizer: Any) -> BPETokenizer:
         """A Hugging Face byte-level BPE `tokenizers.Tokenizer`, read by `tokenizer_files`."""
-        from transformer_course import tokenizer_files  # imported here: it imports this module
-
         return cls(**tokenizer_files.read_huggingface(tokenizer))
+
+
+def load_gpt2_tokenizer() -> BPETokenizer:
+    """OpenAI's GPT-2 tokenizer (50,257 tokens, `<|endoftext|>` = 50256) as a course `BPETokenizer`.
+
+    Built from the two files OpenAI published (`encoder.json`, `vocab.bpe`), the same files
+    tiktoken's `gpt2` encoding and Hugging Face's `gpt2` tokenizer are made from, which the data
+    layer finds (`data.fetch`).
+
+    Course: chapter 1.
+    """
+    files = fetch("gpt2", "encoder.json"), fetch("gpt2", "vocab.bpe")
+    # tests/test_gpt2_tokenizer.py checks that every token's bytes encode as that token
+    return BPETokenizer(**tokenizer_files.read_gpt2_files(*files), tokens_encode_whole=True)

@@ -1,15 +1,17 @@
-"""Reading other people's byte-level BPE tokenizers into the course's `BPETokenizer`.
+"""Tokenizer files: the course's own JSON, OpenAI's GPT-2 files and Hugging Face's tokenizers,
+each read into the constructor arguments of a `BPETokenizer` (`vocab`, `merges`, `pattern`,
+`special_tokens`), and the check that those tables agree (`check_tables`).
 
-Two formats hold the same thing, a vocabulary and an ordered list of merges, with every token
-written in GPT-2's printable byte alphabet (`bytes_to_unicode`, where the space is `Ġ`):
+The two outside formats hold the same thing, a vocabulary and an ordered list of merges, with
+every token written in GPT-2's printable byte alphabet (`bytes_to_unicode`, where the space is
+`Ġ`):
 
 - OpenAI's GPT-2 files: `vocab.json` (token -> id; OpenAI calls it `encoder.json`) and
   `merges.txt` (one `left right` per line, in training order; OpenAI's `vocab.bpe`);
 - a Hugging Face `tokenizers.Tokenizer` with a byte-level BPE model.
 
-Each reader returns the constructor arguments of a `BPETokenizer` (`vocab`, `merges`, `pattern`,
-`special_tokens`), so `BPETokenizer.from_gpt2_files` and `BPETokenizer.from_huggingface` stay
-one line each. Ids are kept exactly, so the course encodes to the very ids the originals do.
+Ids are kept exactly, so the course encodes to the very ids the originals do. GPT-2's pre-split
+pattern lives here too, as part of GPT-2's format.
 """
 
 from __future__ import annotations
@@ -19,9 +21,30 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from transformer_course.tokenization import GPT2_SPLIT_PATTERN, _is_id, _read_json, _read_text
+from transformer_course import validate
+from transformer_course.files import atomic_write, read_json, read_text
 
-__all__ = ["bytes_to_unicode", "read_gpt2_files", "read_huggingface"]
+__all__ = [
+    "GPT2_SPLIT_PATTERN",
+    "TokenPair",
+    "bytes_to_unicode",
+    "check_tables",
+    "read_bpe",
+    "read_gpt2_files",
+    "read_huggingface",
+    "write_bpe",
+]
+
+TokenPair = tuple[int, int]  # two neighbouring token ids
+
+# GPT-2's pre-split (Radford et al., 2019): contractions, letters, digits, other symbols and
+# whitespace become separate chunks, and merges never cross a chunk boundary.
+GPT2_SPLIT_PATTERN = (
+    r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
+)
+
+FILE_FORMAT = "transformer_course.bpe"
+FILE_VERSION = 1
 
 
 def bytes_to_unicode() -> dict[int, str]:
@@ -54,20 +77,20 @@ def read_gpt2_files(vocab_json: str | Path, merges_txt: str | Path) -> dict[str,
 
     Course: chapter 1.
     """
-    vocab = _read_json(Path(vocab_json), "vocab_json")
+    vocab = read_json(Path(vocab_json), "vocab_json")
     if not isinstance(vocab, dict):
         raise ValueError(
             f"vocab_json: expected an object {{token: id}} in {str(vocab_json)!r}, "
             f"got {type(vocab).__name__}"
         )
     for token, i in vocab.items():
-        if not _is_id(i):
+        if not validate.is_int(i):
             raise ValueError(
                 f"vocab_json: expected integer ids in {str(vocab_json)!r}, "
                 f"got {i!r} for the entry {token!r}"
             )
     merges = []
-    lines = _read_text(Path(merges_txt), "merges_txt").splitlines()
+    lines = read_text(Path(merges_txt), "merges_txt").splitlines()
     for number, line in enumerate(lines, start=1):
         if line.startswith("#version") or not line.strip():
             continue
@@ -150,3 +173,131 @@ def _from_byte_alphabet(
                 )
         pairs[(vocab[left], vocab[right])] = vocab[left + right]
     return {"vocab": ids, "merges": pairs, "pattern": pattern, "special_tokens": special_tokens}
+
+
+def check_tables(
+    vocab: Mapping[int, bytes], merges: Mapping[TokenPair, int], special_tokens: Mapping[str, int]
+) -> None:
+    """Raise a clear error unless ids are 0..len(vocab)-1 and merges and special tokens agree with
+    the vocabulary: tables that disagree would encode or decode wrongly without an error."""
+    for i, token in vocab.items():
+        if not validate.is_int(i) or not 0 <= i < len(vocab):
+            raise ValueError(
+                f"vocab: expected ids 0..{len(vocab) - 1} (one per token), got id {i!r}"
+            )
+        if not isinstance(token, bytes) or not token:
+            raise ValueError(f"vocab: expected non-empty bytes for id {i}, got {token!r}")
+    created: set[int] = set()
+    for rank, (pair, new_id) in enumerate(merges.items()):
+        ids = (*pair, new_id) if isinstance(pair, tuple) and len(pair) == 2 else ()
+        if not ids or any(not validate.is_int(j) or j not in vocab for j in ids):
+            raise ValueError(
+                "merges: expected a pair of ids in the vocabulary and a new id, "
+                f"got {pair} -> {new_id}"
+            )
+        if vocab[new_id] != vocab[pair[0]] + vocab[pair[1]]:
+            raise ValueError(
+                f"merges: merge {rank} {pair} -> {new_id} disagrees with vocab: expected the bytes "
+                f"{vocab[pair[0]] + vocab[pair[1]]!r}, vocab has {vocab[new_id]!r}"
+            )
+        if new_id in created:
+            raise ValueError(
+                f"merges: expected each merge to create a new id, got {new_id} twice (merge {rank})"
+            )
+        created.add(new_id)
+    for token, i in special_tokens.items():
+        if not isinstance(token, str) or not token or not validate.is_int(i) or i not in vocab:
+            raise ValueError(
+                "special_tokens: expected non-empty strings with ids in the vocabulary, "
+                f"got {token!r}: {i!r}"
+            )
+        if vocab[i] != token.encode("utf-8"):
+            raise ValueError(
+                f"special_tokens: {token!r} has id {i}, but vocab has {vocab[i]!r} for that id"
+            )
+
+
+def write_bpe(path: str | Path, tables: Mapping[str, Any]) -> None:
+    """Write `BPETokenizer` arguments as the course's JSON (token bytes in hex), atomically."""
+    state = {
+        "format": FILE_FORMAT,
+        "version": FILE_VERSION,
+        "pattern": tables["pattern"],
+        "vocab": {str(i): token.hex() for i, token in tables["vocab"].items()},
+        "merges": [[left, right, new_id] for (left, right), new_id in tables["merges"].items()],
+        "special_tokens": tables["special_tokens"],
+    }
+    atomic_write(path, json.dumps(state, indent=1))
+
+
+def read_bpe(path: str | Path) -> dict[str, Any]:
+    """`BPETokenizer` arguments from a file `write_bpe` wrote, every field checked: a file that
+    disagrees with itself is refused with its name and the field.
+
+    Course: chapter 1.
+    """
+    path = Path(path)
+    state = read_json(path, "path")
+    if not isinstance(state, dict) or state.get("format") != FILE_FORMAT:
+        found = state.get("format") if isinstance(state, dict) else type(state).__name__
+        raise ValueError(
+            f"path: expected a {FILE_FORMAT!r} JSON file written by BPETokenizer.save, "
+            f"got {found!r} in {str(path)!r}"
+        )
+    try:
+        tables = _tables_from_state(state)
+        check_tables(tables["vocab"], tables["merges"], tables["special_tokens"])
+        validate.regex_pattern("pattern", tables["pattern"])
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"path: {str(path)!r} is not a valid tokenizer file: {exc}") from None
+    return tables
+
+
+def _load_field(
+    state: dict[str, Any], name: str, kind: type | tuple[type, ...], expected: str
+) -> Any:
+    """`state[name]`, or a ValueError naming the field unless it is there and of type `kind`."""
+    if name not in state:
+        raise ValueError(f"field {name!r}: missing")
+    value = state[name]
+    if isinstance(value, bool) or not isinstance(value, kind):
+        got = f"{type(value).__name__} {value!r:.60}"
+        raise ValueError(f"field {name!r}: expected {expected}, got {got}")
+    return value
+
+
+def _tables_from_state(state: dict[str, Any]) -> dict[str, Any]:
+    """The constructor arguments stored by `BPETokenizer.save`, each field checked by name."""
+    version = _load_field(state, "version", int, f"the version {FILE_VERSION}")
+    if version != FILE_VERSION:
+        raise ValueError(
+            f"field 'version': expected {FILE_VERSION} (the only version this code reads), "
+            f"got {version}"
+        )
+    vocab = {}
+    for key, token in _load_field(state, "vocab", dict, "an object {id: hex bytes}").items():
+        try:
+            i, token_bytes = int(key), bytes.fromhex(token)
+            if str(i) != key:
+                raise ValueError
+        except (TypeError, ValueError):
+            raise ValueError(
+                f"field 'vocab': expected a decimal id and hex bytes, got {key!r}: {token!r}"
+            ) from None
+        vocab[i] = token_bytes
+    merges = {}
+    listed = _load_field(state, "merges", list, "a list of [left, right, new_id]")
+    for rank, merge in enumerate(listed):
+        if not isinstance(merge, list) or len(merge) != 3 or not all(map(validate.is_int, merge)):
+            raise ValueError(
+                f"field 'merges': expected [left, right, new_id] ids, got {merge!r} at index {rank}"
+            )
+        merges[(merge[0], merge[1])] = merge[2]
+    if len(merges) != len(listed):
+        raise ValueError("field 'merges': expected each pair to be merged once, got one twice")
+    return {
+        "vocab": vocab,
+        "merges": merges,
+        "special_tokens": _load_field(state, "special_tokens", dict, "an object {token: id}"),
+        "pattern": _load_field(state, "pattern", (str, type(None)), "a regular expression or null"),
+    }

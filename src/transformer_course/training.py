@@ -38,12 +38,12 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
-from jaxtyping import Int
+import torch.nn.functional as F
+from jaxtyping import Float, Int
 from torch import Tensor, nn
 
 from transformer_course import validate
 from transformer_course.files import atomic_write
-from transformer_course.gpt2 import lm_loss
 from transformer_course.runtime import evaluating
 
 Batch = Any
@@ -457,7 +457,7 @@ def _resume(path: Path, best_path: Path, model: nn.Module, optimizer: torch.opti
     return checkpoint["step"], history
 
 
-class _Run:
+class _TrainingRun:
     """One call of `train`: the model (wrapped for DDP), the optimizer, the history, the files,
     and the step losses still waiting on the device."""
 
@@ -617,7 +617,7 @@ def train(
     """
     if cfg.best_metric is not None and evaluate is None:
         raise ValueError(f"evaluate: best_metric={cfg.best_metric!r} needs a function, got None")
-    run = _Run(model, cfg, optimizer, on_log)
+    run = _TrainingRun(model, cfg, optimizer, on_log)
     run.model.train()
     for step in range(run.start, cfg.max_steps):
         lr = run.step(step, get_batch, loss_fn)
@@ -628,17 +628,32 @@ def train(
     return run.history
 
 
-# Data for next-token prediction.
+# Next-token prediction: the loss, random windows of a token stream, the loss over a few of them.
+
+
+def lm_loss(
+    logits: Float[Tensor, "batch pos d_vocab"], targets: Int[Tensor, "batch pos"]
+) -> Float[Tensor, ""]:
+    """Mean cross-entropy of the next-token predictions (`targets` are the inputs shifted by one).
+
+    Course: chapter 6.
+    """
+    if logits.shape[:-1] != targets.shape:
+        raise ValueError(
+            f"targets: expected shape {tuple(logits.shape[:-1])} (logits without d_vocab), "
+            f"got {tuple(targets.shape)}"
+        )
+    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
 
 
 def sample_batch(
     data: Int[Tensor, " n_tokens"],
     batch_size: int,
-    block_size: int,
+    n_ctx: int,
     *,
     generator: torch.Generator | None = None,
 ) -> tuple[Int[Tensor, "batch pos"], Int[Tensor, "batch pos"]]:
-    """`batch_size` random windows of `block_size` tokens from `data`, and the same windows
+    """`batch_size` random windows of `n_ctx` tokens from `data`, and the same windows
     shifted by one token: the inputs and the targets of next-token prediction.
 
     Every window whose targets fit in `data` can be drawn, each with the same probability;
@@ -647,14 +662,13 @@ def sample_batch(
     Course: chapter 6, exercise 6.10, checked by checks.gpt2.check_sample_batch.
     """
     validate.positive_int("batch_size", batch_size)
-    validate.positive_int("block_size", block_size)
-    if data.ndim != 1 or data.numel() <= block_size:
+    validate.positive_int("n_ctx", n_ctx)
+    if data.ndim != 1 or data.numel() <= n_ctx:
         raise ValueError(
-            f"data: expected a 1-d tensor longer than block_size={block_size}, "
-            f"got shape {tuple(data.shape)}"
+            f"data: expected a 1-d tensor longer than n_ctx={n_ctx}, got shape {tuple(data.shape)}"
         )
-    starts = torch.randint(len(data) - block_size, (batch_size,), generator=generator)
-    offsets = torch.arange(block_size)
+    starts = torch.randint(len(data) - n_ctx, (batch_size,), generator=generator)
+    offsets = torch.arange(n_ctx)
     x = data[starts[:, None] + offsets]
     y = data[starts[:, None] + offsets + 1]
     return x, y
@@ -665,7 +679,7 @@ def estimate_loss(
     data: Int[Tensor, " n_tokens"],
     *,
     batch_size: int,
-    block_size: int,
+    n_ctx: int,
     n_batches: int,
     generator: torch.Generator | None = None,
 ) -> float:
@@ -679,6 +693,6 @@ def estimate_loss(
     total = torch.zeros((), device=device)
     with evaluating(model):
         for _ in range(n_batches):
-            x, y = sample_batch(data, batch_size, block_size, generator=generator)
+            x, y = sample_batch(data, batch_size, n_ctx, generator=generator)
             total += lm_loss(model(x.to(device)), y.to(device))
     return total.item() / n_batches  # one host synchronisation, not one per batch

@@ -39,14 +39,21 @@ from pathlib import Path
 import sacrebleu
 import torch
 import torch.nn.functional as F
-from jaxtyping import Float, Int
+from jaxtyping import Float
 from torch import Tensor, nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from transformer_course import validate
 from transformer_course.attention import set_fast_path
 from transformer_course.data import load_translation_pairs
-from transformer_course.decoding import beam_search, greedy_decode
+from transformer_course.decoding import (
+    BOS,
+    EOS,
+    PAD,
+    SPECIAL_TOKENS,
+    pad_batch,
+    translate,
+)
 from transformer_course.encoder_decoder import (
     EncoderDecoderTransformer,
     Seq2SeqConfig,
@@ -63,11 +70,8 @@ from transformer_course.training import (
 )
 
 SentencePair = tuple[str, str]  # (English, Spanish)
-# The special tokens a translation tokenizer carries.
-PAD, BOS, EOS, UNK = "<pad>", "<s>", "</s>", "<unk>"
 SPLIT_SEED = 2017
 N_VALID, N_TEST = 1000, 2000  # English sentences (each with all its translations)
-SPECIAL_TOKENS = (PAD, BOS, EOS, UNK)  # <unk> is reserved: byte-level BPE can encode any text
 SAMPLE_SENTENCES = ("I don't know what to do.", "Where is the train station?", "She has two cats.")
 # SDPA's kernels for this model's masked attention, chosen rather than left to the dispatcher:
 # on an H100 cuDNN's attention cost 1.7 ms of CPU per call and a 2-3 s plan per new batch shape.
@@ -209,17 +213,6 @@ def references_by_source(pairs: Sequence[SentencePair]) -> tuple[list[str], list
     return sources, [grouped[s] for s in sources]
 
 
-def pad_batch(sequences: Sequence[Sequence[int]], pad_id: int) -> Int[Tensor, "batch pos"]:
-    """Right-pad lists of ids to the longest one.
-
-    Course: chapter 5.
-    """
-    width = max(len(s) for s in sequences)
-    return torch.tensor(
-        [list(s) + [pad_id] * (width - len(s)) for s in sequences], dtype=torch.long
-    )
-
-
 def seq2seq_loss(
     model: nn.Module,
     batch: tuple[Tensor, Tensor, Tensor],
@@ -332,7 +325,7 @@ def model_config(setup: TranslationSetup, tokenizer: BPETokenizer) -> Seq2SeqCon
         n_layers=setup.n_layers,
         d_mlp=setup.d_mlp,
         dropout=setup.dropout,
-        max_len=4 * setup.max_words + 16,
+        n_ctx=4 * setup.max_words + 16,
         pad_id=tokenizer.special_tokens[PAD],
         share_embeddings=True,
         tie_embeddings=True,
@@ -362,56 +355,6 @@ def mean_loss(
     return (total / count).item()  # one host synchronisation for the whole set
 
 
-def translate(
-    model: EncoderDecoderTransformer,
-    sentences: Sequence[str],
-    src_tokenizer: BPETokenizer,
-    tgt_tokenizer: BPETokenizer | None = None,
-    *,
-    beam_size: int = 1,
-    max_len: int | None = None,
-    batch_size: int = 64,
-) -> list[str]:
-    """Translate strings to strings: tokenize, decode greedily (`beam_size=1`) or with a beam,
-    detokenize.
-
-    The tokenizers must carry the special tokens `<pad> <s> </s>`; one tokenizer serves both
-    sides when the vocabulary is shared. `max_len=None` means the model's maximum.
-
-    Course: chapter 5.
-    """
-    if isinstance(sentences, str):
-        raise TypeError(
-            "sentences: expected a list of strings, got a single string (wrap it in a list)"
-        )
-    validate.positive_int("batch_size", batch_size)
-    tgt_tokenizer = tgt_tokenizer or src_tokenizer
-    for name, tokenizer, tokens in (
-        ("src_tokenizer", src_tokenizer, (EOS,)),
-        ("tgt_tokenizer", tgt_tokenizer, (BOS, EOS)),
-    ):
-        missing = [t for t in tokens if t not in getattr(tokenizer, "special_tokens", {})]
-        if missing:
-            raise ValueError(
-                f"{name}: expected the special tokens {list(tokens)}, missing {missing}"
-            )
-    src_eos = src_tokenizer.special_tokens[EOS]
-    ids = dict(bos_id=tgt_tokenizer.special_tokens[BOS], eos_id=tgt_tokenizer.special_tokens[EOS])
-    device = next(model.parameters()).device
-    max_len = model.cfg.max_len if max_len is None else max_len
-    out: list[str] = []
-    for start in range(0, len(sentences), batch_size):
-        chunk = sentences[start : start + batch_size]
-        src = pad_batch([src_tokenizer.encode(s) + [src_eos] for s in chunk], model.cfg.pad_id)
-        src = src.to(device)
-        if beam_size == 1:
-            decoded = greedy_decode(model, src, max_len=max_len, **ids)
-        else:
-            decoded = beam_search(model, src, max_len=max_len, beam_size=beam_size, **ids)
-        out += [tgt_tokenizer.decode(d) for d in decoded]
-    return out
-
-
 def translate_test(
     model: EncoderDecoderTransformer,
     tokenizer: BPETokenizer,
@@ -424,9 +367,7 @@ def translate_test(
     Course: chapter 5.
     """
     sources, references = references_by_source(pairs)
-    hypotheses = translate(
-        model, sources, tokenizer, beam_size=beam_size, max_len=model.cfg.max_len
-    )
+    hypotheses = translate(model, sources, tokenizer, beam_size=beam_size)
     return sources, hypotheses, references
 
 
@@ -523,6 +464,19 @@ def train_config(
     )
 
 
+def cached_tokenizer(setup: TranslationSetup, pairs: Sequence[SentencePair]) -> BPETokenizer:
+    """The run's tokenizer: loaded from its folder, else trained on `pairs` and saved there.
+
+    Course: chapter 5.
+    """
+    path = run_dir(setup) / "tokenizer.json"
+    if path.exists():
+        return BPETokenizer.load(path)
+    tokenizer = train_tokenizer(pairs, setup.vocab_size)
+    tokenizer.save(path)  # atomically: the cache never holds half a tokenizer
+    return tokenizer
+
+
 def run_translation(
     setup: TranslationSetup,
     *,
@@ -537,18 +491,9 @@ def run_translation(
     Course: chapter 5.
     """
     device = get_device()
-    folder = run_dir(setup)
-    train_config(setup, progress=progress, log_every=log_every)  # refused before any work
-    folder.mkdir(parents=True, exist_ok=True)
+    cfg = train_config(setup, progress=progress, log_every=log_every)  # refused before any work
     splits = load_splits(setup.max_words)
-    tokenizer_path = folder / "tokenizer.json"
-    if tokenizer_path.exists():
-        tokenizer = BPETokenizer.load(tokenizer_path)
-    else:
-        tokenizer = train_tokenizer(splits["train"], setup.vocab_size)
-        partial = folder / f".{tokenizer_path.name}.tmp"  # the cache never holds half a tokenizer
-        tokenizer.save(partial)
-        os.replace(partial, tokenizer_path)
+    tokenizer = cached_tokenizer(setup, splits["train"])
     torch.manual_seed(setup.seed)
     model = EncoderDecoderTransformer(model_config(setup, tokenizer)).to(device)
     set_fast_path(model, True)
@@ -562,13 +507,9 @@ def run_translation(
 
     def evaluate(model: EncoderDecoderTransformer) -> dict[str, float]:
         if progress and samples:
-            for source, output in zip(
-                samples, translate(model, list(samples), tokenizer, max_len=model.cfg.max_len)
-            ):
+            for source, output in zip(samples, translate(model, list(samples), tokenizer)):
                 print(f"    {source} → {output}", flush=True)
         return {"valid_loss": mean_loss(model, valid_batches)}
-
-    cfg = train_config(setup, progress=progress, log_every=log_every)
 
     def loss(model: EncoderDecoderTransformer, batch: tuple[Tensor, Tensor, Tensor]) -> Tensor:
         return seq2seq_loss(model, batch, smoothing=setup.label_smoothing, pad_id=train_batches.pad)
@@ -582,11 +523,8 @@ def run_translation(
     return TranslationRun(setup, model, tokenizer, splits, history, seconds)
 
 
-def main(argv: Sequence[str] | None = None) -> None:
-    """`python -m transformer_course.translation`: train (or load) a profile, report test BLEU.
-
-    Course: chapter 5.
-    """
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """The command line of `main`, every value checked before any work starts."""
     parser = argparse.ArgumentParser(
         description="Train the English→Spanish Transformer and report test BLEU."
     )
@@ -606,15 +544,25 @@ def main(argv: Sequence[str] | None = None) -> None:
     for flag, (value, low) in limits.items():
         if value is not None and value < low:
             parser.error(f"{flag}: expected an int >= {low}, got {value}")
-    if args.threads is not None:
-        torch.set_num_threads(args.threads)
-    setup = SETUPS[args.profile]
+    args.setup = SETUPS[args.profile]
     if args.max_steps is not None:
-        setup = replace(setup, max_steps=args.max_steps)
+        args.setup = replace(args.setup, max_steps=args.max_steps)
     try:
-        train_config(setup)
+        train_config(args.setup)
     except ValueError as error:
         parser.error(str(error))
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """`python -m transformer_course.translation`: train (or load) a profile, report test BLEU.
+
+    Course: chapter 5.
+    """
+    args = parse_args(argv)
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    setup = args.setup
     print(f"profile {setup.name}: {setup}")
     machine = platform.processor() or platform.machine()
     threads = torch.get_num_threads()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import operator
+import warnings
 from collections.abc import Collection, Iterable
 from numbers import Integral, Real
 from typing import Any, TypeVar
@@ -34,6 +35,11 @@ def integer(name: str, value: Any, *, low: int | None = None, high: int | None =
             wanted = " and ".join(["an int", *(b for b in bounds if b)]).replace("int and", "int")
         raise ValueError(f"{name}: expected {wanted}, got {value!r}")
     return int(value)
+
+
+def is_int(value: Any) -> bool:
+    """An int (NumPy ints too) that is not a bool."""
+    return isinstance(value, Integral) and not isinstance(value, bool)
 
 
 def positive_int(name: str, value: Any) -> int:
@@ -123,8 +129,8 @@ def regex_pattern(name: str, value: Any) -> str | None:
     return value
 
 
-def token_ids(name: str, ids: Any, vocab_size: int) -> list[int]:
-    """Ids in [0, vocab_size) as a list of int: Python, NumPy or 0-d tensor integers, not bools."""
+def token_ids(name: str, ids: Any, d_vocab: int) -> list[int]:
+    """Ids in [0, d_vocab) as a list of int: Python, NumPy or 0-d tensor integers, not bools."""
     if isinstance(ids, (str, bytes)) or not isinstance(ids, Iterable):
         raise TypeError(f"{name}: expected a sequence of ints, got {type(ids).__name__}")
     checked = []
@@ -135,19 +141,53 @@ def token_ids(name: str, ids: Any, vocab_size: int) -> list[int]:
             i = operator.index(token)
         except TypeError:
             i = -1
-        if not 0 <= i < vocab_size:
+        if not 0 <= i < d_vocab:
             raise ValueError(
-                f"{name}: expected token ids in the vocabulary (0..{vocab_size - 1}), "
+                f"{name}: expected token ids in the vocabulary (0..{d_vocab - 1}), "
                 f"got {token!r} at position {position}"
             )
         checked.append(i)
     return checked
 
 
-def token_id(name: str, value: Any, vocab: int) -> int:
-    """An int id in [0, vocab)."""
-    if isinstance(value, bool) or not isinstance(value, Integral) or not 0 <= value < vocab:
-        raise ValueError(f"{name}: expected an int id in [0, {vocab}), got {value!r}")
+# Token tensors must be int64 or int32: W_E[tokens] reads uint8 and bool as masks, not ids, and
+# refuses int8 and int16.
+TOKEN_DTYPES = (torch.int64, torch.int32)
+
+
+def token_tensor(
+    name: str, t: Any, d_vocab: int, *, n_ctx: int | None = None, cached: int = 0
+) -> Tensor:
+    """A `(batch, pos)` tensor of ids in [0, d_vocab) with at least one position and, given
+    `n_ctx`, at most `n_ctx` together with `cached` earlier ones (a KV cache's). Reading the ids'
+    range costs one host-device synchronisation, which compiled code skips."""
+    if not isinstance(t, Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor of token ids, got {type(t).__name__}")
+    if t.dtype not in TOKEN_DTYPES:
+        raise TypeError(f"{name}: expected an integer tensor (int64 or int32), got {t.dtype}")
+    if t.ndim != 2 or t.shape[1] == 0:
+        raise ValueError(
+            f"{name}: expected shape (batch, pos) with at least one position, got {tuple(t.shape)}"
+        )
+    if n_ctx is not None and cached + t.shape[1] > n_ctx:
+        with_cached = f" with the {cached} cached ones" if cached else ""
+        raise ValueError(
+            f"{name}: expected at most n_ctx={n_ctx} positions{with_cached}, got "
+            f"{cached + t.shape[1]} (shape {tuple(t.shape)}); keep the last n_ctx tokens"
+        )
+    if t.numel() and not torch.compiler.is_compiling():
+        low, high = torch.stack(torch.aminmax(t)).tolist()
+        if low < 0 or high >= d_vocab:
+            raise ValueError(
+                f"{name}: expected ids in [0, d_vocab={d_vocab}), got ids from {low} to {high}"
+            )
+    return t
+
+
+def token_id(name: str, value: Any, d_vocab: int) -> int:
+    """An int id in [0, d_vocab)."""
+    if not is_int(value) or not 0 <= value < d_vocab:
+        raise ValueError(f"{name}: expected an int id in [0, {d_vocab}), got {value!r}")
     return int(value)
 
 
@@ -182,6 +222,41 @@ def integer_tensor(name: str, t: Any, dims: tuple[str, ...]) -> Tensor:
         )
     if t.is_floating_point() or t.is_complex() or t.dtype == torch.bool:
         raise ValueError(f"{name}: expected an integer dtype, got {t.dtype}")
+    return t
+
+
+def head_size(d_model: Any, n_heads: Any, d_head: Any = None) -> int:
+    """Positive `d_model` and `n_heads`; returns `d_head`, by default `d_model // n_heads` (which
+    must then divide evenly)."""
+    positive_int("d_model", d_model)
+    positive_int("n_heads", n_heads)
+    if d_head is None:
+        if d_model % n_heads:
+            raise ValueError(
+                f"d_model: expected a multiple of n_heads={n_heads} when d_head is not given, "
+                f"got {d_model}"
+            )
+        d_head = d_model // n_heads
+    return positive_int("d_head", d_head)
+
+
+def attention_input(
+    name: str, t: Any, d_model: int, dtype: torch.dtype, batch: int | None = None
+) -> Tensor:
+    """A `(batch, pos, d_model)` tensor of the weights' dtype (autocast casts for itself) and,
+    given `batch`, of that batch size."""
+    if not isinstance(t, Tensor) or t.ndim != 3 or t.shape[-1] != d_model:
+        got = f"shape {tuple(t.shape)}" if isinstance(t, Tensor) else type(t).__name__
+        raise ValueError(f"{name}: expected shape (batch, pos, d_model={d_model}), got {got}")
+    if t.dtype != dtype and not torch.is_autocast_enabled(t.device.type):
+        raise ValueError(
+            f"{name}: expected dtype {dtype} (the dtype of the weights), got {t.dtype}; "
+            "convert the input or the module with .to(dtype)"
+        )
+    if batch is not None and t.shape[0] != batch:
+        raise ValueError(
+            f"{name}: expected batch size {batch} (the batch size of x), got {t.shape[0]}"
+        )
     return t
 
 
@@ -245,3 +320,44 @@ def norm_args(d_model: Any, eps: Any) -> None:
     smallest = torch.finfo(torch.float32).tiny
     if not math.isfinite(eps) or eps < smallest:
         raise ValueError(f"eps: expected a finite number >= {smallest:.3g}, got {eps}")
+
+
+def renamed(old: str, old_value: T | None, new: str, new_value: T | None) -> T | None:
+    """An argument that had another name: `new_value`, or `old_value` given under the former name
+    `old` (with a DeprecationWarning). Giving both is an error."""
+    if old_value is None:
+        return new_value
+    if new_value is not None:
+        raise TypeError(f"{old}: the former name of {new}; give only {new}, got both")
+    warnings.warn(f"{old} is deprecated: call it {new}", DeprecationWarning, stacklevel=3)
+    return old_value
+
+
+def alias(name: str, value: T | None, field: str, current: T, default: T) -> T:
+    """A dataclass field given under another name: `value` (given as `name`) unless None, else
+    the field's `current` value. The two given and different is an error."""
+    if value is None:
+        return current
+    if current not in (default, value):
+        raise ValueError(
+            f"{name}: another name for {field}; give one of them, got {name}={value!r} and "
+            f"{field}={current!r}"
+        )
+    return value
+
+
+def sentences(name: str, value: Any) -> Any:
+    """A sequence of strings, not a single str (which would be read character by character)."""
+    if isinstance(value, str):
+        raise TypeError(
+            f"{name}: expected a list of strings, got a single string (wrap it in a list)"
+        )
+    return value
+
+
+def special_tokens(name: str, tokenizer: Any, needed: Iterable[str]) -> Any:
+    """A tokenizer whose `special_tokens` include every one of `needed`."""
+    missing = [t for t in needed if t not in getattr(tokenizer, "special_tokens", {})]
+    if missing:
+        raise ValueError(f"{name}: expected the special tokens {list(needed)}, missing {missing}")
+    return tokenizer

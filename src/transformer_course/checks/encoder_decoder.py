@@ -73,14 +73,14 @@ def _differs(actual: object, expected: Tensor, atol: float = 1e-6) -> bool:
 
 
 def check_positional_encoding(fn: Callable[[int, int], Tensor]) -> None:
-    """`fn(max_len, d_model)` must return the sinusoidal table of Vaswani et al., shape
-    (max_len, d_model)."""
+    """`fn(seq_len, d_model)` must return the sinusoidal table of Vaswani et al., shape
+    (seq_len, d_model)."""
     name = "sinusoidal_positional_encoding"
-    for max_len, d_model in ((7, 4), (50, 16)):
-        actual = call(name, fn, max_len, d_model)
-        expected = sinusoidal_positional_encoding(max_len, d_model, dtype=torch.float64)
+    for seq_len, d_model in ((7, 4), (50, 16)):
+        actual = call(name, fn, seq_len, d_model)
+        expected = sinusoidal_positional_encoding(seq_len, d_model, dtype=torch.float64)
         if _differs(actual, expected, atol=1e-5):
-            _raise_for_known_mistake(actual, _pe_mistakes(max_len, d_model), name, atol=1e-5)
+            _raise_for_known_mistake(actual, _pe_mistakes(seq_len, d_model), name, atol=1e-5)
         expect_close(
             actual.double() if isinstance(actual, Tensor) else actual,
             expected,
@@ -92,8 +92,8 @@ def check_positional_encoding(fn: Callable[[int, int], Tensor]) -> None:
     passed(name)
 
 
-def _pe_mistakes(max_len: int, d_model: int) -> dict[str, Tensor]:
-    position = torch.arange(max_len, dtype=torch.float64)[:, None]
+def _pe_mistakes(seq_len: int, d_model: int) -> dict[str, Tensor]:
+    position = torch.arange(seq_len, dtype=torch.float64)[:, None]
     two_i = torch.arange(0, d_model, 2, dtype=torch.float64)
     angles = position / 10000 ** (two_i / d_model)
 
@@ -122,13 +122,13 @@ def _pe_mistakes(max_len: int, d_model: int) -> dict[str, Tensor]:
 
 
 def check_token_embedding(cls: type) -> None:
-    """`cls(vocab, d_model, max_len, dropout)` must return W_E[tokens] * sqrt(d_model) + PE."""
+    """`cls(d_vocab, d_model, dropout)` must return W_E[tokens] * sqrt(d_model) + PE."""
     name = "TokenEmbedding"
-    vocab, d_model, max_len = 11, 16, 20
+    vocab, d_model = 11, 16
     torch.manual_seed(0)
-    theirs = call(name, cls, vocab, d_model, max_len, 0.0)
+    theirs = call(name, cls, vocab, d_model, 0.0)
     expect(hasattr(theirs, "W_E"), name, "expected a parameter `W_E` of shape (vocab, d_model).")
-    ours = TokenEmbedding(vocab, d_model, max_len, 0.0).double()
+    ours = TokenEmbedding(vocab, d_model, 0.0).double()
     with torch.no_grad():
         theirs.W_E.data = ours.W_E.detach().clone()
     tokens = torch.tensor([[1, 2, 3, 4, 5], [6, 7, 8, 0, 0]])
@@ -158,8 +158,8 @@ def check_token_embedding(cls: type) -> None:
         atol=1e-6,
     )
 
-    theirs = call(name, cls, vocab, d_model, max_len, 0.5).double()
-    ours = TokenEmbedding(vocab, d_model, max_len, 0.5).double()
+    theirs = call(name, cls, vocab, d_model, 0.5).double()
+    ours = TokenEmbedding(vocab, d_model, 0.5).double()
     theirs.load_state_dict(ours.state_dict())
     expect_same_in_train_mode(
         f"{name}(dropout=0.5)",
@@ -350,15 +350,17 @@ def _block_run(block: TransformerBlock, inputs: dict[str, Tensor | None], **wron
     an input replaced (`mask`, `context`, `context_mask`) or a step changed."""
     inputs = {**inputs, **{k: v for k, v in wrong.items() if k in inputs}}
     causal, norm = wrong.get("causal", block.causal), wrong.get("norm", block.norm)
-    wiring = dict(norm=norm, dropout=_identity, hook_out=_identity)
+    norm_and_dropout = dict(norm=norm, dropout=_identity, hook_out=_identity)
 
     def self_attention(r: Tensor) -> Tensor:
         attend = lambda h: block.attn(h, mask=inputs["mask"], causal=causal)
-        return residual_sublayer(r, attend, block.ln1, **wiring)
+        return residual_sublayer(r, attend, block.ln1, **norm_and_dropout)
 
     def cross_attention(r: Tensor) -> Tensor:
         attend = lambda h: block.cross_attn(h, inputs["context"], mask=inputs["context_mask"])
-        return residual_sublayer(r, attend, wrong.get("ln_cross", block.ln_cross), **wiring)
+        return residual_sublayer(
+            r, attend, wrong.get("ln_cross", block.ln_cross), **norm_and_dropout
+        )
 
     steps = [self_attention]
     if block.cross_attention and not wrong.get("no_cross"):
@@ -368,7 +370,7 @@ def _block_run(block: TransformerBlock, inputs: dict[str, Tensor | None], **wron
     x = inputs["x"]
     for step in steps:
         x = step(x)
-    return residual_sublayer(x, block.mlp, block.ln2, **wiring)
+    return residual_sublayer(x, block.mlp, block.ln2, **norm_and_dropout)
 
 
 def _block_mistakes(block: TransformerBlock, *args: Tensor | None) -> dict[str, Tensor]:
@@ -543,7 +545,7 @@ def _model_config(norm: str, tie: bool) -> Seq2SeqConfig:
         n_layers=2,
         d_mlp=32,
         dropout=0.0,
-        max_len=12,
+        n_ctx=12,
         norm=norm,
         share_embeddings=tie,
         tie_embeddings=tie,
@@ -686,7 +688,7 @@ class _Tree(EncoderDecoderTransformer):
                 n_layers=1,
                 d_mlp=8,
                 dropout=0.0,
-                max_len=8,
+                n_ctx=8,
             )
         )
 
@@ -706,27 +708,27 @@ def _random_translator(seed: int) -> EncoderDecoderTransformer:
     """A tiny untrained translator (vocabulary 20, ids 0-2 special) to decode with."""
     torch.manual_seed(seed)
     sizes = dict(src_vocab=20, tgt_vocab=20, d_model=16, n_heads=2, n_layers=1, d_mlp=16)
-    cfg = Seq2SeqConfig(**sizes, dropout=0.0, max_len=16)
+    cfg = Seq2SeqConfig(**sizes, dropout=0.0, n_ctx=16)
     return EncoderDecoderTransformer(cfg)
 
 
 def check_beam_search(fn: Callable[..., list[list[int]]]) -> None:
-    """`fn(model, src, *, bos_id, eos_id, max_len, beam_size)`: the likeliest translation among
-    the beams, per row, without bos and eos."""
+    """`fn(model, src, *, bos_id, eos_id, max_new_tokens, beam_size)`: the likeliest translation
+    among the beams, per row, without bos and eos."""
     name = "beam_search"
     model = _random_translator(seed=6).eval()
     src = torch.randint(3, 20, (3, 5))
-    one = call(name, fn, model, src, bos_id=1, eos_id=2, max_len=8, beam_size=1)
+    one = call(name, fn, model, src, bos_id=1, eos_id=2, max_new_tokens=8, beam_size=1)
     expect(
-        one == greedy_decode(model, src, bos_id=1, eos_id=2, max_len=8),
+        one == greedy_decode(model, src, bos_id=1, eos_id=2, max_new_tokens=8),
         f"{name} (beam_size=1)",
         f"a beam of one should be greedy decoding; got {one}.",
         "keep the beam_size best (sequence, total log-probability) pairs at each step.",
     )
     tree = _Tree().eval()
     src = torch.tensor([[3, 3], [4, 4]])
-    greedy = greedy_decode(tree, src, bos_id=1, eos_id=2, max_len=4)
-    found = call(name, fn, tree, src, bos_id=1, eos_id=2, max_len=4, beam_size=2)
+    greedy = greedy_decode(tree, src, bos_id=1, eos_id=2, max_new_tokens=4)
+    found = call(name, fn, tree, src, bos_id=1, eos_id=2, max_new_tokens=4, beam_size=2)
     where = f"{name} (beam_size=2, two rows whose greedy choice is not the likeliest translation)"
     expect(
         isinstance(found, list) and len(found) == 2,
@@ -826,7 +828,7 @@ class _Scripted(EncoderDecoderTransformer):
                 n_layers=1,
                 d_mlp=8,
                 dropout=0.0,
-                max_len=16,
+                n_ctx=16,
             )
         )
         self.eos_at = eos_at
@@ -844,11 +846,11 @@ class _Scripted(EncoderDecoderTransformer):
 
 
 def check_greedy_decode(fn: Callable[..., list[list[int]]]) -> None:
-    """`fn(model, src, bos_id=, eos_id=, max_len=)` must return the greedy tokens, without bos
-    and eos."""
+    """`fn(model, src, bos_id=, eos_id=, max_new_tokens=)` must return the greedy tokens, without
+    bos and eos."""
     name = "greedy_decode"
     src = torch.tensor([[3, 4], [5, 0]])
-    stops = call(name, fn, _Scripted(eos_at=4), src, bos_id=1, eos_id=2, max_len=10)
+    stops = call(name, fn, _Scripted(eos_at=4), src, bos_id=1, eos_id=2, max_new_tokens=10)
     expect(
         isinstance(stops, list) and len(stops) == 2,
         name,
@@ -872,7 +874,9 @@ def check_greedy_decode(fn: Callable[..., list[list[int]]]) -> None:
         f"a model that says 5, 6, 7, </s> should give [5, 6, 7], got {stops[0]!r}.",
         "append the argmax of the last position's logits each step; a row is done at </s>.",
     )
-    ragged = call(name, fn, _Scripted(eos_at={3: 2, 5: 4}), src, bos_id=1, eos_id=2, max_len=10)
+    ragged = call(
+        name, fn, _Scripted(eos_at={3: 2, 5: 4}), src, bos_id=1, eos_id=2, max_new_tokens=10
+    )
     expect(
         ragged == [[5], [5, 6, 7]],
         name,
@@ -880,18 +884,19 @@ def check_greedy_decode(fn: Callable[..., list[list[int]]]) -> None:
         "keep decoding until every row has produced </s> (a finished row only gets padding), and "
         "cut each row before its own first </s>.",
     )
-    capped = call(name, fn, _Scripted(eos_at=99), src, bos_id=1, eos_id=2, max_len=5)
+    capped = call(name, fn, _Scripted(eos_at=99), src, bos_id=1, eos_id=2, max_new_tokens=5)
     expect(
         capped == [[5, 6, 7, 8, 9]] * 2,
         name,
-        f"with max_len=5 and no </s>, expected 5 generated tokens per row, got {capped[0]!r}.",
-        "generate at most max_len tokens, counting the </s>.",
+        f"with max_new_tokens=5 and no </s>, expected 5 generated tokens per row, "
+        f"got {capped[0]!r}.",
+        "generate at most max_new_tokens tokens, counting the </s>.",
     )
     model = _random_translator(seed=3)
     real_src = torch.randint(3, 20, (4, 6))
     real_src[1, 3:] = 0
-    expected = greedy_decode(model, real_src, bos_id=1, eos_id=2, max_len=8)
-    actual = call(name, fn, model, real_src, bos_id=1, eos_id=2, max_len=8)
+    expected = greedy_decode(model, real_src, bos_id=1, eos_id=2, max_new_tokens=8)
+    actual = call(name, fn, model, real_src, bos_id=1, eos_id=2, max_new_tokens=8)
     expect(
         actual == expected,
         name,

@@ -616,21 +616,21 @@ def _draw_windows(
     sample_batch: Callable,
     data: torch.Tensor,
     batch_size: int,
-    block_size: int,
+    n_ctx: int,
     seed: int | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The learner's `(x, y)` for one call (with a generator seeded `seed`, or none), checked
-    for its form: two tensors of shape `(batch_size, block_size)` holding ids of `data`."""
-    where = f"{name}(data of {len(data)} tokens, batch_size={batch_size}, block_size={block_size})"
+    for its form: two tensors of shape `(batch_size, n_ctx)` holding ids of `data`."""
+    where = f"{name}(data of {len(data)} tokens, batch_size={batch_size}, n_ctx={n_ctx})"
     generator = None if seed is None else torch.Generator().manual_seed(seed)
     try:
-        out = call(where, sample_batch, data, batch_size, block_size, generator=generator)
+        out = call(where, sample_batch, data, batch_size, n_ctx, generator=generator)
     except CheckFailure as failure:
         if not isinstance(failure.__cause__, (IndexError, RuntimeError)):
             raise
         raise CheckFailure(
             f"{failure}\nHint: if an index ran past the end of data: the targets of the last "
-            "window end at data[-1], so a window starts at most at len(data) - block_size - 1 "
+            "window end at data[-1], so a window starts at most at len(data) - n_ctx - 1 "
             "(torch.randint's upper bound is exclusive)."
         ) from failure.__cause__
     expect(
@@ -638,13 +638,13 @@ def _draw_windows(
         where,
         f"expected a pair of tensors (x, y), got {type(out).__name__}.",
     )
-    shape = (batch_size, block_size)
+    shape = (batch_size, n_ctx)
     for label, t in zip("xy", out):
         expect(
             tuple(t.shape) == shape,
             where,
-            f"{label} should have shape {shape} (batch_size, block_size), got {tuple(t.shape)}.",
-            "one window of block_size tokens per row, batch_size rows.",
+            f"{label} should have shape {shape} (batch_size, n_ctx), got {tuple(t.shape)}.",
+            "one window of n_ctx tokens per row, batch_size rows.",
         )
         expect(
             t.dtype == data.dtype and bool(torch.isin(t, data).all()),
@@ -665,10 +665,10 @@ def _expect_shifted_windows(
         bool((px.diff(dim=1) == 1).all()),
         where,
         "a row of x is not a window of consecutive tokens of data.",
-        "each row is data[start : start + block_size] for its own start.",
+        "each row is data[start : start + n_ctx] for its own start.",
     )
     if not torch.equal(py, px + 1):
-        hint = "the targets are the next tokens: y = data[start + 1 : start + block_size + 1]."
+        hint = "the targets are the next tokens: y = data[start + 1 : start + n_ctx + 1]."
         if torch.equal(py, px):
             hint = "the targets are the inputs themselves; " + hint
         elif torch.equal(py, px - 1):
@@ -677,8 +677,8 @@ def _expect_shifted_windows(
 
 
 def check_sample_batch(sample_batch: Callable) -> None:
-    """`sample_batch(data, batch_size, block_size, *, generator=None) -> (x, y)`: random windows
-    of `block_size` tokens of the 1-d `data`, one per row, and the same windows one token later.
+    """`sample_batch(data, batch_size, n_ctx, *, generator=None) -> (x, y)`: random windows
+    of `n_ctx` tokens of the 1-d `data`, one per row, and the same windows one token later.
     Checked: shapes and dtype, targets shifted by one, every window reachable and none past the
     end, rows that differ, and repeatable draws from `generator`."""
     name = "sample_batch"
@@ -688,7 +688,7 @@ def check_sample_batch(sample_batch: Callable) -> None:
     position = torch.empty(n + 3, dtype=torch.long)
     position[data] = torch.arange(n)
     x, y = _draw_windows(name, sample_batch, data, 64, 8, seed=19)
-    where = f"{name}(data of {n} tokens, batch_size=64, block_size=8)"
+    where = f"{name}(data of {n} tokens, batch_size=64, n_ctx=8)"
     _expect_shifted_windows(where, x, y, position)
     starts = position[x[:, 0]]
     expect(
@@ -701,22 +701,22 @@ def check_sample_batch(sample_batch: Callable) -> None:
     # A short stream: every one of its 6 windows must come, each about equally often.
     short = data[:10]
     x, y = _draw_windows(name, sample_batch, short, 600, 4, seed=20)
-    where = f"{name}(data of 10 tokens, batch_size=600, block_size=4)"
+    where = f"{name}(data of 10 tokens, batch_size=600, n_ctx=4)"
     _expect_shifted_windows(where, x, y, position)
     counts = torch.bincount(position[x[:, 0]], minlength=6)
     expect(
         counts[0] > 0 and counts[5] > 0,
         where,
         f"windows start at {sorted(position[x[:, 0]].unique().tolist())}; expected each of 0-5.",
-        "the last window starts at len(data) - block_size - 1 (its targets end at data[-1]) and "
-        "the first at 0: torch.randint(len(data) - block_size, ...) draws exactly those.",
+        "the last window starts at len(data) - n_ctx - 1 (its targets end at data[-1]) and "
+        "the first at 0: torch.randint(len(data) - n_ctx, ...) draws exactly those.",
     )
     share = counts.double() / counts.sum()
     expect(
         bool((share - 1 / 6).abs().max() < 0.07),  # about 4.5 standard errors at n = 600
         where,
         f"the 6 windows come with shares {[round(v, 3) for v in share.tolist()]}, not 1/6 each.",
-        "draw each start uniformly: torch.randint(len(data) - block_size, (batch_size,)).",
+        "draw each start uniformly: torch.randint(len(data) - n_ctx, (batch_size,)).",
     )
 
     def inputs(global_seed: int, seed: int) -> torch.Tensor:
