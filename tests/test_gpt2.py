@@ -99,7 +99,7 @@ def test_config_defaults_are_gpt2_small():
 @pytest.mark.parametrize(
     "kwargs, word",
     [
-        (dict(d_model=30, n_heads=4), "divisible"),
+        (dict(d_model=30, n_heads=4), "a multiple of n_heads=4"),
         (dict(n_layers=0), "n_layers"),
         (dict(dropout=1.5), "dropout"),
         (dict(d_vocab=2.5), "d_vocab"),

@@ -68,12 +68,8 @@ def causal_mask(
     Course: chapter 3, exercise 3.1, checked by checks.masking.check_causal_mask.
     """
     q_len = validate.positive_int("q_len", q_len)
-    k_len = q_len if k_len is None else validate.positive_int("k_len", k_len)
-    if k_len < q_len:
-        raise ValueError(
-            f"k_len: expected k_len >= q_len={q_len} (queries are the last positions of the "
-            f"keys), got {k_len}"
-        )
+    why = "queries are the last positions of the keys"
+    k_len = q_len if k_len is None else validate.at_least("k_len", k_len, "q_len", q_len, why)
     allowed = torch.ones(q_len, k_len, dtype=torch.bool, device=device)
     return allowed.tril(diagonal=k_len - q_len)
 

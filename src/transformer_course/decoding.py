@@ -75,12 +75,7 @@ def next_token_logits(
 
     Course: chapter 5.
     """
-    logits = model.decode(tgt, memory, src_mask)[:, -1]
-    if not logits.isfinite().all():
-        raise FloatingPointError(
-            "model: the decoder's logits are not finite; check its weights and the input"
-        )
-    return logits
+    return validate.finite_logits(model.decode(tgt, memory, src_mask)[:, -1], "for the next token")
 
 
 def greedy_decode(

@@ -75,32 +75,34 @@ class Seq2SeqConfig:
     def __post_init__(self, d_ff: int | None, max_len: int | None) -> None:
         self.d_mlp = validate.alias("d_ff", d_ff, "d_mlp", self.d_mlp, D_MLP_DEFAULT)
         self.n_ctx = validate.alias("max_len", max_len, "n_ctx", self.n_ctx, N_CTX_DEFAULT)
-        sizes = ("src_vocab", "tgt_vocab", "d_model", "n_heads", "n_layers", "d_mlp", "n_ctx")
-        for name in sizes:
-            validate.positive_int(name, getattr(self, name))
-        if self.d_model % 2:
-            raise ValueError(
-                f"d_model: expected an even size (sin and cos come in pairs), got {self.d_model}"
-            )
-        if self.d_model % self.n_heads:
-            raise ValueError(
-                f"d_model: expected a multiple of n_heads={self.n_heads}, got {self.d_model}"
-            )
-        validate.probability("dropout", self.dropout)
-        validate.one_of("norm", self.norm, ("post", "pre"))
-        validate.one_of("act_fn", self.act_fn, ACTIVATIONS)
-        validate.norm_args(self.d_model, self.layer_norm_eps)
-        validate.token_id("pad_id", self.pad_id, min(self.src_vocab, self.tgt_vocab))
-        if self.share_embeddings and self.src_vocab != self.tgt_vocab:
-            raise ValueError(
-                f"share_embeddings: needs src_vocab == tgt_vocab, got {self.src_vocab} and "
-                f"{self.tgt_vocab}"
-            )
+        _validate_config(self)
 
 
 # Read back under the other names too (a dataclass field cannot have two names).
 Seq2SeqConfig.d_ff = property(lambda cfg: cfg.d_mlp, doc="The paper's name for `d_mlp`.")
 Seq2SeqConfig.max_len = property(lambda cfg: cfg.n_ctx, doc="The former name of `n_ctx`.")
+
+
+def _validate_config(cfg: Seq2SeqConfig) -> None:
+    """Every field of `cfg`, so a bad one is named before any model is built."""
+    sizes = ("src_vocab", "tgt_vocab", "d_model", "n_heads", "n_layers", "d_mlp", "n_ctx")
+    for name in sizes:
+        validate.positive_int(name, getattr(cfg, name))
+    if cfg.d_model % 2:
+        raise ValueError(
+            f"d_model: expected an even size (sin and cos come in pairs), got {cfg.d_model}"
+        )
+    validate.head_size(cfg.d_model, cfg.n_heads)
+    validate.probability("dropout", cfg.dropout)
+    validate.one_of("norm", cfg.norm, ("post", "pre"))
+    validate.one_of("act_fn", cfg.act_fn, ACTIVATIONS)
+    validate.norm_args(cfg.d_model, cfg.layer_norm_eps)
+    validate.token_id("pad_id", cfg.pad_id, min(cfg.src_vocab, cfg.tgt_vocab))
+    if cfg.share_embeddings and cfg.src_vocab != cfg.tgt_vocab:
+        raise ValueError(
+            f"share_embeddings: needs src_vocab == tgt_vocab, got {cfg.src_vocab} and "
+            f"{cfg.tgt_vocab}"
+        )
 
 
 def sinusoidal_positional_encoding(
@@ -231,11 +233,7 @@ class EncoderDecoderTransformer(nn.Module):
     def forward(
         self, src: Int[Tensor, "batch src_pos"], tgt: Int[Tensor, "batch tgt_pos"]
     ) -> Float[Tensor, "batch tgt_pos tgt_vocab"]:
-        if src.shape[0] != tgt.shape[0]:
-            raise ValueError(
-                f"tgt: expected batch size {src.shape[0]} (the batch size of src), "
-                f"got {tgt.shape[0]}"
-            )
+        validate.same_batch("tgt", tgt, src, "src")
         return self.decode(tgt, self.encode(src), self.src_mask(src))
 
 
@@ -255,11 +253,7 @@ def label_smoothed_cross_entropy(
 
     Course: chapter 5, exercise 5.6, checked by checks.encoder_decoder.check_label_smoothing.
     """
-    if logits.shape[:-1] != targets.shape:
-        raise ValueError(
-            f"targets: expected shape {tuple(logits.shape[:-1])} (logits without the vocab "
-            f"dim), got {tuple(targets.shape)}"
-        )
+    validate.targets(targets, logits)
     validate.probability("smoothing", smoothing)
     log_probs = logits.float().log_softmax(dim=-1)
     keep = (

@@ -80,19 +80,12 @@ class GPT2Config:
     tie_embeddings: bool = False
 
     def __post_init__(self) -> None:
-        for name in ("d_model", "n_layers", "n_heads", "d_vocab", "n_ctx"):
+        for name in ("n_layers", "d_vocab", "n_ctx"):
             validate.positive_int(name, getattr(self, name))
-        if self.d_head is None:
-            if self.d_model % self.n_heads:
-                raise ValueError(
-                    f"d_head: not given, and d_model={self.d_model} is not divisible by "
-                    f"n_heads={self.n_heads}"
-                )
-            self.d_head = self.d_model // self.n_heads
-        if self.d_mlp is None:
-            self.d_mlp = 4 * self.d_model
-        validate.positive_int("d_head", self.d_head)
-        validate.positive_int("d_mlp", self.d_mlp)
+        self.d_head = validate.head_size(self.d_model, self.n_heads, self.d_head)
+        self.d_mlp = validate.positive_int(
+            "d_mlp", 4 * self.d_model if self.d_mlp is None else self.d_mlp
+        )
         validate.flag("tie_embeddings", self.tie_embeddings)
         validate.probability("dropout", self.dropout)
         validate.number("layer_norm_eps", self.layer_norm_eps, low=0, low_open=True)
@@ -272,14 +265,8 @@ class GPT2(HookedRootModule):
     def from_huggingface(cls, hf_model: nn.Module) -> GPT2:
         """A `GPT2` holding the weights of a Hugging Face `GPT2LMHeadModel`, on its device and
         in its dtype (the conversion is `gpt2_weights.convert_hf_gpt2_state_dict`)."""
-        hf_cfg = getattr(hf_model, "config", None)
-        if not isinstance(hf_model, nn.Module) or getattr(hf_cfg, "model_type", None) != "gpt2":
-            raise TypeError(
-                "hf_model: expected a Hugging Face GPT2LMHeadModel (config.model_type 'gpt2'), "
-                f"got {type(hf_model).__name__} with model_type "
-                f"{getattr(hf_cfg, 'model_type', None)!r}"
-            )
-        cfg = GPT2Config.from_huggingface(hf_cfg)
+        validate.hugging_face_model("hf_model", hf_model, "gpt2", "GPT2LMHeadModel")
+        cfg = GPT2Config.from_huggingface(hf_model.config)
         state = convert_hf_gpt2_state_dict(
             hf_model.state_dict(), n_layers=cfg.n_layers, n_heads=cfg.n_heads
         )
@@ -320,11 +307,7 @@ def generate(
         for _ in range(max_new_tokens):
             context = tokens[:, -model.cfg.n_ctx :]
             logits: Float[Tensor, "batch d_vocab"] = model(context)[:, -1, :].float()
-            if not logits.isfinite().all():
-                raise FloatingPointError(
-                    f"model: its logits after {tokens.shape[1]} tokens are not finite; "
-                    "check the weights and the input"
-                )
+            validate.finite_logits(logits, f"after {tokens.shape[1]} tokens")
             if temperature == 0:
                 next_token = logits.argmax(dim=-1, keepdim=True)
             else:

@@ -16,6 +16,8 @@ from collections.abc import Mapping
 import einops
 from torch import Tensor
 
+from transformer_course import validate
+
 __all__ = ["convert_hf_gpt2_state_dict"]
 
 
@@ -30,13 +32,9 @@ def convert_hf_gpt2_state_dict(
 
     Course: chapter 6.
     """
-    last_layer = f"transformer.h.{n_layers - 1}.attn.c_attn.weight"
-    for key in ("transformer.wte.weight", "lm_head.weight", last_layer):
-        if key not in hf_state_dict:
-            raise TypeError(
-                f"hf_state_dict: expected the state dict of a GPT2LMHeadModel with "
-                f"n_layers={n_layers}, but {key!r} is missing"
-            )
+    needed = ("transformer.wte.weight", "lm_head.weight", f"transformer.h.{n_layers - 1}.ln_1.bias")
+    what = f"the state dict of a GPT2LMHeadModel with n_layers={n_layers}"
+    validate.has_keys("hf_state_dict", hf_state_dict, needed, what)
     hf = hf_state_dict
     lm_head = hf["lm_head.weight"]
     state = {

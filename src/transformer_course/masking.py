@@ -20,7 +20,6 @@ and they are importable from here.
 
 from __future__ import annotations
 
-import torch
 from jaxtyping import Bool, Int
 from torch import Tensor
 
@@ -68,12 +67,6 @@ def combine_masks(*masks: Bool[Tensor, ...] | None) -> Bool[Tensor, ...] | None:
         if combined is None:
             combined = mask
             continue
-        try:
-            torch.broadcast_shapes(combined.shape, mask.shape)
-        except RuntimeError:
-            raise ValueError(
-                f"masks[{index}]: shape {tuple(mask.shape)} does not broadcast with the "
-                f"earlier masks' shape {tuple(combined.shape)}"
-            ) from None
+        validate.broadcastable(f"masks[{index}]", mask.shape, combined.shape)
         combined = combined & mask
     return combined

@@ -339,22 +339,14 @@ class CharTokenizer(Tokenizer):
     """
 
     def __init__(self, text: str) -> None:
-        validate.text("text", text)
-        if not text:
-            raise ValueError("text: expected at least one character to build a vocabulary, got ''")
+        validate.text_of_characters("text", text)
         self.vocab = dict(enumerate(sorted(set(text))))
         self.ids = {char: i for i, char in self.vocab.items()}
 
     def encode(self, text: str) -> list[int]:
         """One id per character; a character not seen in training is an error."""
-        validate.text("text", text)
-        try:
-            return [self.ids[char] for char in text]
-        except KeyError as exc:
-            raise ValueError(
-                "text: expected only characters from the tokenizer's vocabulary, "
-                f"got {exc.args[0]!r} at index {text.index(exc.args[0])}"
-            ) from None
+        validate.in_vocabulary("text", validate.text("text", text), self.ids)
+        return [self.ids[char] for char in text]
 
     def decode(self, ids: Iterable[int]) -> str:
         """The characters of the ids, joined."""

@@ -638,11 +638,7 @@ def lm_loss(
 
     Course: chapter 6.
     """
-    if logits.shape[:-1] != targets.shape:
-        raise ValueError(
-            f"targets: expected shape {tuple(logits.shape[:-1])} (logits without d_vocab), "
-            f"got {tuple(targets.shape)}"
-        )
+    validate.targets(targets, logits)
     return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
 
 
@@ -663,10 +659,7 @@ def sample_batch(
     """
     validate.positive_int("batch_size", batch_size)
     validate.positive_int("n_ctx", n_ctx)
-    if data.ndim != 1 or data.numel() <= n_ctx:
-        raise ValueError(
-            f"data: expected a 1-d tensor longer than n_ctx={n_ctx}, got shape {tuple(data.shape)}"
-        )
+    validate.token_stream("data", data, n_ctx)
     starts = torch.randint(len(data) - n_ctx, (batch_size,), generator=generator)
     offsets = torch.arange(n_ctx)
     x = data[starts[:, None] + offsets]

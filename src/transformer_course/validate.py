@@ -361,3 +361,99 @@ def special_tokens(name: str, tokenizer: Any, needed: Iterable[str]) -> Any:
     if missing:
         raise ValueError(f"{name}: expected the special tokens {list(needed)}, missing {missing}")
     return tokenizer
+
+
+def at_least(name: str, value: Any, bound: str, low: int, why: str = "") -> int:
+    """An int >= another argument's value `low` (named `bound`); `why` says why."""
+    if isinstance(value, bool) or not isinstance(value, Integral) or value < low:
+        because = f" ({why})" if why else ""
+        raise ValueError(f"{name}: expected {name} >= {bound}={low}{because}, got {value!r}")
+    return int(value)
+
+
+def broadcastable(name: str, shape: tuple[int, ...], earlier: tuple[int, ...]) -> None:
+    """`shape` broadcasts with `earlier` (the shape built so far)."""
+    try:
+        torch.broadcast_shapes(shape, earlier)
+    except RuntimeError:
+        raise ValueError(
+            f"{name}: shape {tuple(shape)} does not broadcast with the earlier masks' shape "
+            f"{tuple(earlier)}"
+        ) from None
+
+
+def in_vocabulary(name: str, text: str, ids: Collection[str]) -> str:
+    """A string of characters that each have an id."""
+    for index, char in enumerate(text):
+        if char not in ids:
+            raise ValueError(
+                f"{name}: expected only characters from the tokenizer's vocabulary, got {char!r} "
+                f"at index {index}"
+            )
+    return text
+
+
+def same_batch(name: str, t: Tensor, other: Tensor, other_name: str) -> Tensor:
+    """A tensor with the batch size (dim 0) of `other`."""
+    if t.shape[0] != other.shape[0]:
+        raise ValueError(
+            f"{name}: expected batch size {other.shape[0]} (the batch size of {other_name}), "
+            f"got {t.shape[0]}"
+        )
+    return t
+
+
+def targets(t: Any, logits: Tensor) -> Tensor:
+    """Targets of the shape of `logits` without its last dim (one target per prediction)."""
+    if not isinstance(t, Tensor) or t.shape != logits.shape[:-1]:
+        got = tuple(t.shape) if isinstance(t, Tensor) else type(t).__name__
+        raise ValueError(
+            f"targets: expected shape {tuple(logits.shape[:-1])} (logits without the vocab dim), "
+            f"got {got}"
+        )
+    return t
+
+
+def finite_logits(logits: Tensor, where: str) -> Tensor:
+    """Logits without NaN or inf: argmax and sampling would read them silently as a token."""
+    if not logits.isfinite().all():
+        raise FloatingPointError(
+            f"model: its logits {where} are not finite; check its weights and the input"
+        )
+    return logits
+
+
+def token_stream(name: str, data: Any, n_ctx: int) -> Tensor:
+    """A 1-d tensor of token ids longer than one window of `n_ctx` (its targets need one more)."""
+    if not isinstance(data, Tensor) or data.ndim != 1 or data.numel() <= n_ctx:
+        got = tuple(data.shape) if isinstance(data, Tensor) else type(data).__name__
+        raise ValueError(
+            f"{name}: expected a 1-d tensor longer than n_ctx={n_ctx}, got shape {got}"
+        )
+    return data
+
+
+def has_keys(name: str, mapping: Any, keys: Iterable[str], what: str) -> None:
+    """A mapping holding every one of `keys`; `what` says what it should be."""
+    for key in keys:
+        if key not in mapping:
+            raise TypeError(f"{name}: expected {what}, but {key!r} is missing")
+
+
+def text_of_characters(name: str, value: Any) -> str:
+    """A str with at least one character."""
+    text(name, value)
+    if not value:
+        raise ValueError(f"{name}: expected at least one character to build a vocabulary, got ''")
+    return value
+
+
+def hugging_face_model(name: str, model: Any, model_type: str, class_name: str) -> Any:
+    """A Hugging Face `nn.Module` whose config has the `model_type` given."""
+    found = getattr(getattr(model, "config", None), "model_type", None)
+    if not isinstance(model, torch.nn.Module) or found != model_type:
+        raise TypeError(
+            f"{name}: expected a Hugging Face {class_name} (config.model_type {model_type!r}), "
+            f"got {type(model).__name__} with model_type {found!r}"
+        )
+    return model
