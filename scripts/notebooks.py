@@ -4,12 +4,16 @@ A workbook source is `exercises/source/NN_topic.py`, in jupytext's percent forma
 cell kinds:
 
     # %% [exercise] transformer_course.tokenization:merge difficulty=2 importance=4 minutes=10
+    # docstring: What to build, its shapes and conventions; not how.
     # hint: A nudge that names the idea, not the code.
-    # hint: A more specific hint; a line that starts with "#   " continues the hint above.
+    # hint: A more specific hint; a line that starts with "#   " continues the line above.
 
 is replaced by the real code of `merge` from `src/` in the solution workbook, and by the same
-signature and docstring with a short `raise NotImplementedError("Exercise N.M: ...")` in the
-exercise workbook. For a class, `blank=forward[,method]` blanks only the named methods.
+signature with a short `raise NotImplementedError("Exercise N.M: ...")` in the exercise workbook,
+under the `docstring:` text when there is one (else src's docstring): src's docstrings explain
+the code to its readers, and may say too much to someone about to write it. For a class,
+`blank=forward[,method]` blanks only the named methods, and `docstring METHOD:` gives each one
+its own.
 
 Every exercise gets a header (difficulty and importance out of 5, expected minutes) above it
 and, below it, its graded hints and (in the exercise workbook) the reference solution, each in
@@ -47,6 +51,7 @@ ROOT = Path(__file__).resolve().parents[1]
 SOURCES = ROOT / "exercises" / "source"
 HEADER = re.compile(r"^# %%(?: \[(?P<kind>[a-z]+)\])?(?P<rest>.*)$")
 HINT = re.compile(r"^#\s*hint:\s*(?P<text>.+)$")
+DOCSTRING = re.compile(r"^#\s*docstring(?: (?P<name>\w+))?:\s*(?P<text>.+)$")
 HINT_CONTINUATION = re.compile(r"^#\s{2,}(?P<text>\S.*)$")
 RATINGS = ("difficulty", "importance")  # each 1..5, as ARENA's exercise headers
 COLAB_CELL = """\
@@ -126,21 +131,45 @@ def _markdown(lines: list[str]) -> str:
     return _strip([line[2:] if line.startswith("# ") else line.lstrip("#") for line in lines])
 
 
-def hints(cell: SourceCell) -> list[str]:
-    """The exercise's graded hints, in order: `# hint: text` lines (continued by `#   more`)."""
-    found: list[str] = []
+def _notes(cell: SourceCell) -> list[tuple[str, str, list[str]]]:
+    """The exercise cell's `# docstring:` and `# hint:` notes, in order: (kind, method name or
+    "", lines), each continued by `#   more` lines."""
+    found: list[tuple[str, str, list[str]]] = []
     for line in cell.lines:
-        hint, more = HINT.match(line.strip()), HINT_CONTINUATION.match(line.rstrip())
+        hint, doc = HINT.match(line.strip()), DOCSTRING.match(line.strip())
+        more = HINT_CONTINUATION.match(line.rstrip())
         if hint is not None:
-            found.append(hint["text"])
+            found.append(("hint", "", [hint["text"]]))
+        elif doc is not None:
+            found.append(("docstring", doc["name"] or "", [doc["text"]]))
         elif more is not None and found:
-            found[-1] += " " + more["text"]
+            found[-1][2].append(more["text"])
         elif line.strip():
             raise ValueError(
-                f"[exercise] {cell.target}: only '# hint: ...' lines belong here, got {line!r}"
+                f"[exercise] {cell.target}: only '# hint:' and '# docstring:' lines belong "
+                f"here, got {line!r}"
             )
+    return found
+
+
+def hints(cell: SourceCell) -> list[str]:
+    """The exercise's graded hints, in order."""
+    found = [" ".join(lines) for kind, _, lines in _notes(cell) if kind == "hint"]
     if not found:
         raise ValueError(f"[exercise] {cell.target}: give at least one '# hint: ...'")
+    return found
+
+
+def docstrings(cell: SourceCell) -> dict[str, str]:
+    """The learner-facing docstring of each blanked function (by name), where the source gives
+    one; a docstring line is kept as written (its lines are the docstring's lines)."""
+    names = blanked_names(cell)
+    found = {}
+    for kind, name, lines in _notes(cell):
+        if kind == "docstring":
+            if not name and len(names) != 1:
+                raise ValueError(f"[exercise] {cell.target}: name the method: '# docstring NAME:'")
+            found[name or names[0]] = "\n".join(lines)
     return found
 
 
@@ -165,11 +194,14 @@ def _functions(source: str, names: list[str]) -> list[ast.FunctionDef | ast.Asyn
     return sorted((functions[n] for n in names), key=lambda node: node.lineno)
 
 
-def blank_out(source: str, names: list[str], label: str) -> str:
+def blank_out(
+    source: str, names: list[str], label: str, docstrings: dict[str, str] | None = None
+) -> str:
     """Replace the bodies of the named functions in `source` with `raise NotImplementedError`.
 
-    The signature, decorators and docstring are kept exactly as written in src; the error
-    names the exercise and nothing more.
+    The signature and decorators are kept exactly as written in src, and the docstring too
+    unless `docstrings` gives the function another; the error names the exercise and nothing
+    more.
     """
     lines = source.splitlines()
     # Work bottom-up so earlier line numbers stay valid.
@@ -184,9 +216,17 @@ def blank_out(source: str, names: list[str], label: str) -> str:
         if has_docstring and len(body) == 1:
             raise ValueError(f"blank={node.name}: the function has nothing but a docstring")
         indent = re.match(r"\s*", lines[first.lineno - 1])[0]
-        start = body[0].end_lineno if has_docstring else body[0].lineno - 1
-        end = node.end_lineno
-        lines[start:end] = [f"{indent}raise NotImplementedError({label!r})"]
+        start = body[0].lineno - 1 if has_docstring else first.lineno - 1
+        new = [f"{indent}raise NotImplementedError({label!r})"]
+        given = (docstrings or {}).get(node.name)
+        if given is not None:
+            text = textwrap.indent(given, indent).lstrip()
+            new.insert(
+                0, f'{indent}"""{text}\n{indent}"""' if "\n" in given else f'{indent}"""{text}"""'
+            )
+        elif has_docstring:
+            new = lines[start : body[0].end_lineno] + new
+        lines[start : node.end_lineno] = new
     return "\n".join(lines)
 
 
@@ -213,7 +253,8 @@ def exercise_code(cell: SourceCell, number: str, *, solution: bool) -> str:
     source = target_source(cell)
     if solution:
         return source
-    return blank_out(source, blanked_names(cell), exercise_label(cell, number))
+    label = exercise_label(cell, number)
+    return blank_out(source, blanked_names(cell), label, docstrings(cell))
 
 
 def exercise_header(cell: SourceCell, number: str) -> str:

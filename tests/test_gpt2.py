@@ -23,10 +23,17 @@ from transformer_course.gpt2 import (
     Unembed,
     forward_with_cache,
     generate,
-    lm_loss,
+    train_loop,
 )
 from transformer_course.gpt2_weights import convert_hf_gpt2_state_dict
-from transformer_course.training import TrainConfig, estimate_loss, sample_batch, train
+from transformer_course.training import (
+    TrainConfig,
+    cosine_lr,
+    estimate_loss,
+    lm_loss,
+    sample_batch,
+    train,
+)
 
 pytestmark = pytest.mark.filterwarnings("ignore:HookedTransformer is deprecated:DeprecationWarning")
 TINY = dict(n_layer=2, n_embd=32, n_head=4, vocab_size=61, n_positions=16)
@@ -493,3 +500,45 @@ def test_training_overfits_one_batch():
     assert history.train_loss[-1] < 0.5
     loss = estimate_loss(model, torch.cat([x[0], y[0, -1:]]), batch_size=1, n_ctx=16, n_batches=1)
     assert loss < 0.5
+
+
+def test_train_loop_is_the_plain_loop_and_keeps_a_copy_of_the_best_weights():
+    """Against the loop written out by hand: the same losses and learning rates, evaluations
+    after steps 4, 8 and the last, and the weights of the best one, the middle one here (so a
+    loop that keeps the live state dict instead of a copy ends up with the last weights)."""
+    data = torch.randint(0, 61, (400,), generator=torch.Generator().manual_seed(21))
+
+    def get_batch(step):
+        return sample_batch(data, 4, 16, generator=torch.Generator().manual_seed(step))
+
+    def lr_at(step):
+        return cosine_lr(step, lr=3e-2, warmup_steps=2, max_steps=10)
+
+    model, reference = tiny_gpt2(), tiny_gpt2()
+    scores = iter([3.0, 1.0, 2.0])
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.0)
+    history = train_loop(
+        model, optimizer, get_batch, lambda m: next(scores), max_steps=10, lr_at=lr_at, eval_every=4
+    )
+
+    by_hand = torch.optim.AdamW(reference.parameters(), lr=0.0)
+    losses, states = [], []
+    for step in range(10):
+        for group in by_hand.param_groups:
+            group["lr"] = lr_at(step)
+        reference.train()
+        tokens, targets = get_batch(step)
+        loss = lm_loss(reference(tokens), targets)
+        by_hand.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(reference.parameters(), 1.0)
+        by_hand.step()
+        losses.append(loss.item())
+        if step + 1 in (4, 8, 10):
+            states.append({k: v.clone() for k, v in reference.state_dict().items()})
+    assert history.train_loss == pytest.approx(losses, rel=1e-6)
+    assert history.lr == [lr_at(step) for step in range(10)]
+    assert history.evals == [{"step": s, "val_loss": v} for s, v in ((4, 3.0), (8, 1.0), (10, 2.0))]
+    assert history.best == {"step": 8, "val_loss": 1.0}
+    for name, tensor in states[1].items():
+        torch.testing.assert_close(history.best_state[name], tensor)

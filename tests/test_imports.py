@@ -32,6 +32,7 @@ CHAPTER = {
     "gpt2_weights": 6,
     "gpt2": 6,
     "checks": CHECKS,
+    "parts": CHECKS,  # runs the checks on the learner's saved parts
 }
 
 

@@ -15,6 +15,7 @@ like TransformerLens's own. `GPT2.from_huggingface` copies the weights of a Hugg
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,7 +32,7 @@ from transformer_course.blocks import ACTIVATIONS, TransformerBlock
 from transformer_course.gpt2_weights import convert_hf_gpt2_state_dict
 from transformer_course.layernorm import LayerNorm
 from transformer_course.runtime import evaluating
-from transformer_course.training import lm_loss
+from transformer_course.training import History, lm_loss
 
 __all__ = [
     "GPT2Config",
@@ -45,6 +46,7 @@ __all__ = [
     "KVCache",
     "forward_with_cache",
     "train_step",
+    "train_loop",
     "lm_loss",
 ]
 
@@ -395,3 +397,43 @@ def train_step(
         torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
     optimizer.step()
     return loss.item()
+
+
+def train_loop(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    get_batch: Callable[[int], tuple[Tensor, Tensor]],
+    evaluate: Callable[[nn.Module], float],
+    *,
+    max_steps: int,
+    lr_at: Callable[[int], float],
+    eval_every: int,
+    grad_clip: float | None = 1.0,
+) -> History:
+    """Train for `max_steps` steps as nanoGPT does: before each step set the learning rate
+    `lr_at(step)` (steps count from 0), then take a `train_step` on `get_batch(step)`; after
+    every `eval_every` steps and after the last, record `evaluate(model)` (a validation loss)
+    and keep a copy of the weights wherever it is the lowest so far.
+
+    Returns the `History`: per step its loss and learning rate, the evaluations
+    (`{"step": steps done, "val_loss": ...}`), the best one and its weights.
+
+    Course: chapter 6, exercise 6.12, checked by checks.gpt2.check_train_loop.
+    """
+    validate.positive_int("eval_every", eval_every)
+    history = History()
+    for step in range(validate.positive_int("max_steps", max_steps)):
+        lr = lr_at(step)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        loss = train_step(model, optimizer, *get_batch(step), grad_clip=grad_clip)
+        history.step.append(step)
+        history.train_loss.append(loss)
+        history.lr.append(lr)
+        if (step + 1) % eval_every == 0 or step + 1 == max_steps:
+            val_loss = evaluate(model)
+            history.evals.append({"step": step + 1, "val_loss": val_loss})
+            if not history.best or val_loss < history.best["val_loss"]:
+                history.best = {"step": step + 1, "val_loss": val_loss}
+                history.best_state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return history
