@@ -418,7 +418,7 @@ def train_loop(
     Returns the `History`: per step its loss and learning rate, the evaluations
     (`{"step": steps done, "val_loss": ...}`), the best one and its weights.
 
-    Course: chapter 6, exercise 6.12, checked by checks.gpt2.check_train_loop.
+    Course: chapter 6.
     """
     validate.positive_int("eval_every", eval_every)
     history = History()
