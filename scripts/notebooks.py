@@ -293,6 +293,68 @@ def help_cell(cell: SourceCell, *, solution: bool) -> str:
     return "\n".join(blocks)
 
 
+def exercise_list(source: Path) -> list[tuple[str, SourceCell]]:
+    """(number, cell) of every exercise of a workbook source, in order."""
+    chapter = int(source.stem.split("_")[0])
+    found = [cell for cell in parse_source(source) if cell.kind == "exercise"]
+    return [(f"{chapter}.{k}", cell) for k, cell in enumerate(found, start=1)]
+
+
+def launch_links(repo_url: str | None, notebook: str) -> str:
+    """Colab and Binder links to a workbook, where the course has a public repository."""
+    match = re.match(r"https://github.com/([^/]+/[^/]+?)(?:\.git)?/?$", repo_url or "")
+    if match is None:
+        return ""
+    repo = match[1]
+    colab = f"https://colab.research.google.com/github/{repo}/blob/main/{notebook}"
+    binder = f"https://mybinder.org/v2/gh/{repo}/main?labpath={notebook}"
+    return f" Open it in [Colab]({colab}) or [Binder]({binder})."
+
+
+def exercise_box(source: Path, repo_url: str | None) -> str:
+    """The book page's box that opens each chapter: the workbook's links and its exercises."""
+    chapter = int(source.stem.split("_")[0])
+    name = f"{source.stem}.ipynb"
+    rows = []
+    for number, cell in exercise_list(source):
+        what = " and ".join(f"`{n}`" for n in blanked_names(cell))
+        owner = cell.target.rpartition(":")[2]
+        if cell.blank:
+            what = " and ".join(f"`{owner}.{n}`" for n in cell.blank)
+        dots = "●" * cell.meta["difficulty"] + "○" * (5 - cell.meta["difficulty"])
+        rows.append(f"| {number} | {what} | {dots} | {cell.meta['minutes']} |")
+    table = "\n".join(["| | you write | difficulty | min |", "|---|---|---|---|", *rows])
+    return (
+        f"(ch{chapter}-exercises)=\n"
+        f"````{{admonition}} Exercises: the chapter {chapter} workbook\n"
+        ":class: tip\n"
+        f"Build this chapter's parts yourself in its workbook, "
+        f"{{download}}`{name} <../exercises/{name}>` (and its completed twin, "
+        f"{{download}}`the solutions <../solutions/{name}>`); {{ref}}`usage` says how to set up."
+        f"{launch_links(repo_url, f'exercises/{name}')}\n\n{table}\n````"
+    )
+
+
+def book_with_box(source: Path, repo_url: str | None) -> nbformat.NotebookNode | None:
+    """The chapter's book page with its exercise box written in (or None if it has no page):
+    the box is the markdown cell starting with the `(chN-exercises)=` label, placed after the
+    page's first cell."""
+    page = ROOT / "book" / f"{source.stem}.ipynb"
+    if not page.exists():
+        return None
+    notebook = nbformat.read(page, as_version=4)
+    box = exercise_box(source, repo_url)
+    label = box.split("\n", 1)[0]
+    cells = [c for c in notebook.cells if c.cell_type == "markdown" and c.source.startswith(label)]
+    if cells:
+        cells[0].source = box
+    else:
+        cell = nbformat.v4.new_markdown_cell(box)
+        cell.id = f"ch{source.stem[:2]}-exercises"
+        notebook.cells.insert(1, cell)
+    return notebook
+
+
 def build(source: Path, *, solution: bool, repo_url: str | None) -> nbformat.NotebookNode:
     """The exercise (solution=False) or solution (solution=True) workbook for one source."""
     notebook = nbformat.v4.new_notebook()
@@ -412,6 +474,14 @@ def main(argv: list[str] | None = None) -> int:
             if solution and args.execute:
                 execute(path)
             print(f"wrote {path.relative_to(ROOT)}")
+        page = book_with_box(source, repo)
+        if page is not None:
+            path = ROOT / "book" / f"{source.stem}.ipynb"
+            if args.check:
+                if stale(path, page):
+                    problems.append(path.relative_to(ROOT))
+            else:
+                nbformat.write(page, path)
     if args.execute and not args.check:
         for page in sorted((ROOT / "book").glob("*.ipynb")):
             if args.chapters and not any(

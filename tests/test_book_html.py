@@ -13,7 +13,11 @@ For every page:
   * no console error, no uncaught exception, no failed or 4xx/5xx request;
   * no request to a host other than 127.0.0.1;
   * every internal link points to a file that exists, and its #anchor to an id on that page;
-  * no code block included from src scrolls sideways in the code column (collapsed ones opened).
+  * at 1440 px and at 390 px (a phone), with collapsed blocks opened, no block (code, output,
+    table, figure, box) is wider than the column or scrolls sideways; a displayed formula may
+    scroll inside itself on the phone, and fits the column at 1440 px;
+  * inline code keeps its spaces (` Hello`, a token with its leading space, is not `Hello`).
+Every chapter has learning objectives and a summary.
 Without a browser, the HTML is still checked for notebook outputs a reader should never see
 (warnings, stderr, tracebacks, object reprs), for scripts or styles from other hosts, for alt
 texts, and for the course's drawn figures: each on its page, with a caption.
@@ -204,6 +208,16 @@ def test_drawn_figure_is_on_its_page_with_a_caption(page, drawing, book_html):
     assert (book_html / page).parent.joinpath(src).resolve().is_file(), f"{page}: no file {src}"
 
 
+CHAPTERS = [page for page in PAGES if re.fullmatch(r"book/\d\d_\w+\.html", page)]
+
+
+@pytest.mark.parametrize("page", CHAPTERS)
+def test_every_chapter_has_objectives_and_a_summary(page, book_html):
+    html = (book_html / page).read_text(encoding="utf-8")
+    assert "Learning objectives" in html, f"{page}: no learning objectives"
+    assert re.search(r"<h2>Summary<a", html), f"{page}: no Summary section"
+
+
 def test_root_redirects_to_the_landing_page(book_html):
     root = (book_html / "index.html").read_text(encoding="utf-8")
     assert 'url=book/index.html"' in root, (
@@ -280,14 +294,28 @@ async () => {
   for (const img of images) { img.loading = "eager"; }
   await Promise.all(images.map(img => img.decode().catch(() => null)));
   const article = document.querySelector("article.bd-article") || document.body;
-  // Code from src (not notebook cells) that scrolls sideways, collapsed blocks opened first.
-  const wideCode = root => {
-    root.querySelectorAll("details").forEach(d => { d.open = true; });
-    root.querySelectorAll(".toggle-hidden").forEach(e => e.classList.remove("toggle-hidden"));
-    return Array.from(root.querySelectorAll("div.highlight pre"))
-      .filter(pre => !pre.closest(".cell") && pre.scrollWidth > pre.clientWidth + 1)
-      .map(pre => pre.textContent.split("\\n").reduce((a, b) => (b.length > a.length ? b : a)));
-  };
+  // Blocks wider than the column, or scrolling sideways, collapsed blocks opened first.
+  article.querySelectorAll("details").forEach(d => { d.open = true; });
+  article.querySelectorAll(".toggle-hidden").forEach(e => e.classList.remove("toggle-hidden"));
+  const column = article.getBoundingClientRect();
+  const blocks = "pre, table, div.cell_output, div.admonition, figure, img, mjx-container";
+  const wide = Array.from(article.querySelectorAll(blocks)).filter(el => {
+    const box = el.getBoundingClientRect();
+    if (box.width === 0) { return false; }
+    const scrolls = el.scrollWidth > el.clientWidth + 1;
+    if (el.matches("mjx-container[display='true']")) {  // may scroll inside itself on a phone
+      return getComputedStyle(el).overflowX === "visible" || (scrolls && innerWidth >= 1440);
+    }
+    const outside = box.left < column.left - 1 || box.right > column.right + 1;
+    return outside || (scrolls && !el.matches("mjx-container"));
+  }).map(el => {
+    const what = (el.textContent || el.getAttribute("src") || "").trim().slice(0, 80);
+    return `${el.tagName.toLowerCase()}: ${what}`;
+  });
+  const keepsSpaces = ["pre", "pre-wrap", "break-spaces"];
+  const collapsedSpaces = Array.from(article.querySelectorAll("code.literal"))
+    .filter(code => !keepsSpaces.includes(getComputedStyle(code).whiteSpace))
+    .map(code => code.textContent);
   const visible = article.cloneNode(true);
   visible.querySelectorAll("pre, code, script, style, textarea, mjx-assistive-mml")
     .forEach(e => e.remove());
@@ -306,7 +334,8 @@ async () => {
       ok: img.complete && img.naturalWidth > 0,
     })),
     links: Array.from(document.querySelectorAll("a[href]")).map(a => a.href),
-    wideCode: wideCode(article),
+    wide: wide,
+    collapsedSpaces: collapsedSpaces,
   };
 }
 """
@@ -328,11 +357,13 @@ def _check_link(url: str) -> str | None:
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("width", [1440, 390])
 @pytest.mark.parametrize("page", PAGES)
-def test_page_in_browser(page, server, browser):
+def test_page_in_browser(page, width, server, browser):
     problems: list[str] = []
     external: list[str] = []
     tab = browser.new_page()
+    tab.set_viewport_size({"width": width, "height": 900})
 
     def route(route):
         if urlsplit(route.request.url).hostname == "127.0.0.1":
@@ -364,13 +395,13 @@ def test_page_in_browser(page, server, browser):
         info = tab.evaluate(INSPECT_PAGE)
         tab.wait_for_load_state("networkidle")
         SCREENSHOTS.mkdir(parents=True, exist_ok=True)
-        shot = SCREENSHOTS / (page.replace("/", "__").removesuffix(".html") + ".png")
+        shot = SCREENSHOTS / f"{page.replace('/', '__').removesuffix('.html')}_{width}.png"
         tab.screenshot(path=str(shot), full_page=True, animations="disabled")
     finally:
         tab.close()
 
-    for line in info["wideCode"]:
-        problems.append(f"a code block from src scrolls sideways; its longest line: {line[:100]!r}")
+    problems += [f"wider than the column at {width} px: {block}" for block in info["wide"]]
+    problems += [f"inline code that loses its spaces: {text!r}" for text in info["collapsedSpaces"]]
     title = info["title"].strip()
     if not title or "<no title>" in title:
         problems.append(f"no page title ({info['title']!r})")
