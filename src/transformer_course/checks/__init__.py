@@ -6,91 +6,47 @@ saying the exercise passes, or raises `CheckFailure` with a hint naming the like
 notebook the message shows alone, never the checker's code.
 """
 
+from transformer_course.checks.attention import check_attention_scores as check_attention_scores
 from transformer_course.checks.attention import (
-    check_attention_scores,
-    check_multi_head_attention,
-    check_scaled_dot_product_attention,
+    check_multi_head_attention as check_multi_head_attention,
 )
-from transformer_course.checks.gpt2 import (
-    check_against_huggingface,
-    check_embed,
-    check_generate,
-    check_gpt2_forward,
-    check_kv_cache,
-    check_mlp,
-    check_pos_embed,
-    check_sample_batch,
-    check_top_p_filter,
-    check_train_step,
-    check_transformer_block,
-    check_unembed,
+from transformer_course.checks.attention import (
+    check_scaled_dot_product_attention as check_scaled_dot_product_attention,
 )
-from transformer_course.checks.harness import CheckFailure
-from transformer_course.checks.layernorm import check_layernorm, check_rmsnorm
-from transformer_course.checks.masking import (
-    check_causal_mask,
-    check_combine_masks,
-    check_masked_softmax,
-    check_padding_mask,
-)
-from transformer_course.checks.tokenization import (
-    check_bpe_encode,
-    check_char_tokenizer,
-    check_decode_ids,
-    check_encode_chunk,
-    check_get_pair_counts,
-    check_merge_pair,
-    check_train_merges,
-)
+from transformer_course.checks.gpt2 import check_against_huggingface as check_against_huggingface
+from transformer_course.checks.gpt2 import check_embed as check_embed
+from transformer_course.checks.gpt2 import check_generate as check_generate
+from transformer_course.checks.gpt2 import check_gpt2_forward as check_gpt2_forward
+from transformer_course.checks.gpt2 import check_kv_cache as check_kv_cache
+from transformer_course.checks.gpt2 import check_mlp as check_mlp
+from transformer_course.checks.gpt2 import check_pos_embed as check_pos_embed
+from transformer_course.checks.gpt2 import check_sample_batch as check_sample_batch
+from transformer_course.checks.gpt2 import check_top_p_filter as check_top_p_filter
+from transformer_course.checks.gpt2 import check_train_step as check_train_step
+from transformer_course.checks.gpt2 import check_transformer_block as check_transformer_block
+from transformer_course.checks.gpt2 import check_unembed as check_unembed
+from transformer_course.checks.harness import CheckFailure as CheckFailure
+from transformer_course.checks.layernorm import check_layernorm as check_layernorm
+from transformer_course.checks.layernorm import check_rmsnorm as check_rmsnorm
+from transformer_course.checks.masking import check_causal_mask as check_causal_mask
+from transformer_course.checks.masking import check_combine_masks as check_combine_masks
+from transformer_course.checks.masking import check_masked_softmax as check_masked_softmax
+from transformer_course.checks.masking import check_padding_mask as check_padding_mask
+from transformer_course.checks.tokenization import check_bpe_encode as check_bpe_encode
+from transformer_course.checks.tokenization import check_char_tokenizer as check_char_tokenizer
+from transformer_course.checks.tokenization import check_decode_ids as check_decode_ids
+from transformer_course.checks.tokenization import check_encode_chunk as check_encode_chunk
+from transformer_course.checks.tokenization import check_get_pair_counts as check_get_pair_counts
+from transformer_course.checks.tokenization import check_merge_pair as check_merge_pair
+from transformer_course.checks.tokenization import check_train_merges as check_train_merges
+from transformer_course.checks.translation import check_beam_search as check_beam_search
+from transformer_course.checks.translation import check_encoder_decoder as check_encoder_decoder
+from transformer_course.checks.translation import check_greedy_decode as check_greedy_decode
+from transformer_course.checks.translation import check_inverse_sqrt_lr as check_inverse_sqrt_lr
+from transformer_course.checks.translation import check_label_smoothing as check_label_smoothing
 from transformer_course.checks.translation import (
-    check_beam_search,
-    check_encoder_decoder,
-    check_greedy_decode,
-    check_inverse_sqrt_lr,
-    check_label_smoothing,
-    check_positional_encoding,
-    check_residual_sublayer,
-    check_seq2seq_block,
-    check_token_embedding,
+    check_positional_encoding as check_positional_encoding,
 )
-
-__all__ = [
-    "CheckFailure",
-    "check_against_huggingface",
-    "check_attention_scores",
-    "check_beam_search",
-    "check_bpe_encode",
-    "check_causal_mask",
-    "check_char_tokenizer",
-    "check_combine_masks",
-    "check_decode_ids",
-    "check_embed",
-    "check_encode_chunk",
-    "check_encoder_decoder",
-    "check_generate",
-    "check_get_pair_counts",
-    "check_gpt2_forward",
-    "check_greedy_decode",
-    "check_inverse_sqrt_lr",
-    "check_kv_cache",
-    "check_label_smoothing",
-    "check_layernorm",
-    "check_masked_softmax",
-    "check_merge_pair",
-    "check_mlp",
-    "check_multi_head_attention",
-    "check_padding_mask",
-    "check_pos_embed",
-    "check_positional_encoding",
-    "check_residual_sublayer",
-    "check_rmsnorm",
-    "check_sample_batch",
-    "check_scaled_dot_product_attention",
-    "check_seq2seq_block",
-    "check_token_embedding",
-    "check_top_p_filter",
-    "check_train_merges",
-    "check_train_step",
-    "check_transformer_block",
-    "check_unembed",
-]
+from transformer_course.checks.translation import check_residual_sublayer as check_residual_sublayer
+from transformer_course.checks.translation import check_seq2seq_block as check_seq2seq_block
+from transformer_course.checks.translation import check_token_embedding as check_token_embedding

@@ -22,6 +22,7 @@ from transformer_course.checks.harness import (
     passed,
     perturb,
     randn,
+    shape_of,
 )
 from transformer_course.masking import causal_mask, combine_masks, padding_mask
 
@@ -42,13 +43,7 @@ HOOK_HINTS = {
     "hook_pattern": "the pattern is the masked softmax of the scores over keys.",
     "hook_z": "z = pattern @ v, rearranged to (batch, q_pos, head, d_head).",
 }
-CROSS_HINT = "in cross-attention keys and values come from `context`, not from x."
 CAUSAL_HINT = "`causal=True` adds `causal_mask(q_pos, k_pos)` to `mask`: AND the two."
-PADDING_HINT = "a padding mask (batch, 1, 1, k_pos) hides keys, not queries: mask the scores."
-CONCAT_HINT = (
-    "the heads are concatenated in the wrong order: flatten z as '(head d_head)' to line up with "
-    "W_O's rows, or project each head with W_O[head] and sum over heads in one einsum."
-)
 FAST_PATH_HINTS = {  # by the value of fast_path
     True: "with fast_path=True one F.scaled_dot_product_attention(q, k, v, attn_mask=mask) call "
     "replaces the scores-pattern-z steps, so hook_attn_scores and hook_pattern are not run.",
@@ -64,83 +59,76 @@ def _qkv(q_len: int, k_len: int, d_head: int, d_v: int, seed: int = 0, scale: fl
 
 def check_attention_scores(fn: Callable) -> None:
     """`attention_scores(q, k)`: q k^T / sqrt(d_head), shape (..., q_pos, k_pos)."""
-    name = "attention_scores"
-    q, k, _ = _qkv(4, 6, 16, 16)
+    name, (q, k, _) = "attention_scores", _qkv(4, 6, 16, 16)
     expected, actual = attention.attention_scores(q, k), call(name, fn, q, k)
     rows = "one row per query: einsum '... q_pos d_head, ... k_pos d_head -> ... q_pos k_pos'."
-    expect(getattr(actual, "shape", 0) != (2, 3, 6, 4), name, "got (..., k_pos, q_pos).", rows)
-    square_root = "divide by the square root of d_head, not d_head itself."
-    mistakes = {SCALE_HINT: expected * 4, square_root: expected / 4}
-    hint = "dot every query with every key, then scale."
-    expect_close(actual, expected, name, hint, atol=1e-8, rtol=1e-6, mistakes=mistakes)
+    expect(shape_of(actual) != (2, 3, 6, 4), name, "got shape (..., k_pos, q_pos).", rows)
+    root = "divide by the square root of d_head, not d_head itself."
+    hint, mistakes = "dot every query with every key, then scale.", {SCALE_HINT: expected * 4}
+    expect_close(actual, expected, name, hint, atol=1e-8, mistakes={**mistakes, root: expected / 4})
     passed(name)
+
+
+def _expect_pattern(where: str, pattern, allowed, nan_hint: str, leak_hint: str) -> None:
+    """A pattern (..., q_pos, k_pos) of weights over the keys `allowed` lets each query see: the
+    mask's convention, no NaN, rows that sum to one, no weight on a forbidden key."""
+    expect_mask_not_inverted(where, pattern, allowed)
+    expect(bool(pattern.isfinite().all()), where, "the pattern contains NaN or inf.", nan_hint)
+    sums = pattern.detach().sum(-1)[allowed.any(-1)]
+    problem = "the weights of a query (a row of the pattern) do not sum to one."
+    expect(matches(sums, torch.ones_like(sums)), where, problem, KEYS_HINT)
+    leaked = pattern.detach().masked_fill(allowed, 0).abs().max().item()
+    expect(leaked < 1e-6, where, f"forbidden keys get weight (up to {leaked:.3g}).", leak_hint)
 
 
 def _expect_attention(fn: Callable, where: str, q, k, v, mask, large: bool = False) -> None:
     """One call of the learner's attention, compared step by step with the reference."""
     result = call(where, fn, q, k, v, mask, hint="" if mask is not None else NO_MASK_HINT)
     expect(isinstance(result, tuple) and len(result) == 2, where, "expected (out, pattern).")
-    out, pattern = result
-    expected_out, expected_pattern = attention.scaled_dot_product_attention(q, k, v, mask)
-    shape, got = tuple(expected_pattern.shape), tuple(getattr(pattern, "shape", ()))
-    expect(got == shape, where, f"expected the pattern's shape {shape}, got {got}.")
-    allowed = torch.ones(shape, dtype=torch.bool) if mask is None else mask.expand(shape)
-    expect_mask_not_inverted(where, pattern, allowed)
-    finite = bool(pattern.isfinite().all())
-    expect(finite, where, "the pattern contains NaN or inf.", OVERFLOW_HINT if large else NAN_HINT)
-    sums = pattern.detach().sum(-1)
-    problem = "the weights of a query (a row of the pattern) do not sum to one."
-    expect(matches(sums, torch.ones_like(sums)), where, problem, KEYS_HINT)
-    leaked = pattern.detach().masked_fill(allowed, 0).abs().max().item()
+    (out, pattern), reference = result, attention.scaled_dot_product_attention(q, k, v, mask)
+    expected_out, expected = reference
+    problem = f"expected the pattern's shape {tuple(expected.shape)}, got {shape_of(pattern)}."
+    expect(shape_of(pattern) == expected.shape, where, problem)
+    allowed = torch.ones_like(expected, dtype=torch.bool) if mask is None else mask
     leak = "apply the mask to the scores before the softmax (True = may attend)."
-    expect(leaked < 1e-6, where, f"forbidden keys get weight (up to {leaked:.3g}).", leak)
+    _expect_pattern(
+        where, pattern, allowed.expand_as(expected), OVERFLOW_HINT if large else NAN_HINT, leak
+    )
     hint = OVERFLOW_HINT if large else "softmax(q k^T / sqrt(d_head)) over keys."
     unscaled = attention.scaled_dot_product_attention(q * math.sqrt(q.shape[-1]), k, v, mask)[1]
-    mistakes = {SCALE_HINT: unscaled}
-    expect_close(pattern, expected_pattern, f"{where}, pattern", hint, atol=1e-8, mistakes=mistakes)
+    mistakes, where_pattern = {SCALE_HINT: unscaled}, f"{where}, pattern"
+    expect_close(pattern, expected, where_pattern, hint, atol=1e-8, mistakes=mistakes)
     expect_close(out, expected_out, f"{where}, output", "the output is pattern @ v.", atol=1e-8)
 
 
 def check_scaled_dot_product_attention(fn: Callable) -> None:
     """`scaled_dot_product_attention(q, k, v, mask=None) -> (out, pattern)`: without a mask,
-    with causal and padding masks, with scores large enough to overflow a naive exp, called
-    without a mask, in float16, and with a query that may attend to nothing."""
-    name = "scaled_dot_product_attention"
-    padding = padding_mask(torch.tensor([[1, 2, 3, 0, 0], [1, 2, 3, 4, 5]]), 0)
+    with causal and padding masks, with a query that may attend to nothing, with scores large
+    enough to overflow a naive exp, called without a mask, and in float16."""
+    name, empty = "scaled_dot_product_attention", torch.ones(4, 4, dtype=torch.bool)
+    empty[1], padding = False, padding_mask(torch.tensor([[1, 2, 3, 0, 0], [1, 2, 3, 4, 5]]), 0)
     for label, qkv, mask in [
         ("no mask", _qkv(5, 5, 8, 8), None),
         ("q_len != k_len, d_v != d_head", _qkv(3, 7, 8, 5, seed=1), None),
         ("a causal mask", _qkv(6, 6, 16, 16, seed=2), causal_mask(6)),
         ("a padding mask", _qkv(4, 5, 8, 8, seed=3), padding),
+        ("a query with no allowed key", _qkv(4, 4, 8, 8, seed=4), empty),
     ]:
         _expect_attention(fn, f"{name} ({label})", *qkv, mask)
     large = _qkv(4, 6, 8, 8, seed=6, scale=30.0)
     _expect_attention(fn, f"{name} (scores in the thousands)", *large, causal_mask(4, 6), True)
-
-    q, k, v = _qkv(3, 5, 8, 8, seed=5)
-    where = f"{name} (called without a mask)"
+    (q, k, v), where = _qkv(3, 5, 8, 8, seed=5), f"{name} (called without a mask)"
     out = call(where, fn, q, k, v, hint=NO_MASK_HINT)[0]
     expected = attention.scaled_dot_product_attention(q, k, v)[0]
     expect_close(out, expected, where, NO_MASK_HINT, atol=1e-8)
-
     q, k, v = (t.half() for t in _qkv(4, 5, 8, 8, seed=7))
-    where = f"{name} (float16 inputs)"
-    result = call(where, fn, q, k, v, causal_mask(4, 5))
-    dtypes = [getattr(t, "dtype", type(t).__name__) for t in result]
+    result, where = call(name, fn, q, k, v, causal_mask(4, 5)), f"{name} (float16 inputs)"
+    dtypes = [getattr(t, "dtype", None) for t in result]
     problem = f"expected float16 results (the dtype of q), got {dtypes[0]} and {dtypes[1]}."
     hint = "computing in float32 inside is fine (more accurate, even); return `.to(q.dtype)`."
     expect(dtypes == [torch.float16] * 2, where, problem, hint)
     expected = attention.scaled_dot_product_attention(q, k, v, causal_mask(4, 5))[0]
     expect_close(result[0], expected, where, "the output is pattern @ v.", atol=1e-2, rtol=1e-2)
-
-    q, k, v = _qkv(4, 4, 8, 8, seed=4)
-    mask = torch.ones(4, 4, dtype=torch.bool)
-    mask[1] = False
-    where = f"{name} (a query with no allowed key)"
-    out, pattern = call(name, fn, q, k, v, mask)
-    nan = bool(out.isnan().any() or pattern.isnan().any())
-    expect(not nan, where, "the result contains NaN.", NAN_HINT)
-    expect(not out[..., 1, :].any(), where, "expected zeros for that query.", NAN_HINT)
     passed(name)
 
 
@@ -160,21 +148,18 @@ def _expect_parameters(name: str, cls: type) -> None:
     """TransformerLens names and shapes; GPT-2's initialisation."""
     torch.manual_seed(0)
     module, reference = call(name, cls, 64, 4), attention.MultiHeadAttention(64, 4)
-    shapes, expected = (
-        {n: tuple(p.shape) for n, p in m.named_parameters()} for m in (module, reference)
-    )
+    shapes = {n: tuple(p.shape) for n, p in module.named_parameters()}
+    expected = {n: tuple(p.shape) for n, p in reference.named_parameters()}
     hint = "use TransformerLens names and shapes: W_Q is (n_heads, d_model, d_head), W_O is "
     hint += "(n_heads, d_head, d_model)."
     expect(shapes == expected, name, f"expected parameters {expected}, got {shapes}.", hint)
     for bias in ("b_Q", "b_K", "b_V", "b_O"):
-        value = getattr(module, bias).detach()
+        value, hint = getattr(module, bias), "initialise biases to zero, as GPT-2 does."
         problem = "the bias starts at one." if value.eq(1).all() else "the bias is not zero."
-        hint = "initialise biases to zero, as GPT-2 and TransformerLens do."
         expect(not value.any(), f"{name}.{bias}", problem, hint)
     for weight in ("W_Q", "W_K", "W_V", "W_O"):
-        std = getattr(module, weight).detach().std().item()
-        problem, hint = f"initial std is {std:.3g}, expected 0.02.", "nn.init.normal_(w, std=0.02)"
-        expect(0.015 < std < 0.025, f"{name}.{weight}", problem, f"initialise with `{hint}`.")
+        std, hint = getattr(module, weight).std().item(), "use nn.init.normal_(w, std=0.02)."
+        expect(0.015 < std < 0.025, f"{name}.{weight}", f"its std is {std:.3g}, not 0.02.", hint)
 
 
 def _forward_cases() -> list[tuple[str, tuple, dict]]:
@@ -196,10 +181,9 @@ def _forward_cases() -> list[tuple[str, tuple, dict]]:
 
 def _expect_hook(stage: str, hook: str, actual, cache: dict, allowed, hint: str) -> None:
     """What one hook point received, compared with the reference's `cache`."""
-    expected = cache[hook]
-    shape, got = tuple(expected.shape), tuple(actual.shape)
-    expect(got == shape, stage, f"expected shape {shape}, got {got}.", hint)
-    scores = hook == "hook_attn_scores"  # the fill of forbidden scores is free
+    expected, scores = cache[hook], hook == "hook_attn_scores"  # forbidden scores' fill is free
+    problem = f"expected shape {tuple(expected.shape)}, got {shape_of(actual)}."
+    expect(shape_of(actual) == expected.shape, stage, problem, hint)
     if matches(actual[allowed] if scores else actual, expected[allowed] if scores else expected):
         return
     elsewhere = {
@@ -208,16 +192,11 @@ def _expect_hook(stage: str, hook: str, actual, cache: dict, allowed, hint: str)
         for other, tensor in cache.items()
         if other != hook and other in HOOK_HINTS
     }
-    expect_no_known_mistake(stage, actual, elsewhere, atol=1e-8)
+    expect_no_known_mistake(stage, actual, elsewhere)
     if scores:
         expect_no_known_mistake(stage, actual[allowed], {SCALE_HINT: expected[allowed] * 2})
     if hook == "hook_pattern":
-        expect(not actual.isnan().any(), stage, "the pattern contains NaN.", NAN_HINT)
-        sums = actual.sum(-1)[allowed.any(-1)]
-        problem = "the weights of a query do not sum to one."
-        expect(matches(sums, torch.ones_like(sums)), stage, problem, KEYS_HINT)
-        leaked = actual.masked_fill(allowed, 0).abs().max().item()
-        expect(leaked < 1e-6, stage, f"forbidden keys get weight (up to {leaked:.3g}).", hint)
+        _expect_pattern(stage, actual, allowed, NAN_HINT, hint)
     expect(False, stage, "differs from the reference.", hint)
 
 
@@ -234,17 +213,22 @@ def _expect_forward(name: str, module: torch.nn.Module, reference) -> None:
         allowed = torch.ones(shape, dtype=torch.bool) if allowed is None else allowed.expand(shape)
         expect_mask_not_inverted(f"{where}, hook_pattern", cache.get("hook_pattern"), allowed)
         for hook, hook_hint in HOOK_HINTS.items():
+            pattern_hook = hook in ("hook_attn_scores", "hook_pattern")
+            never = FAST_PATH_HINTS[False] if pattern_hook else hook_hint
             stage = f"{where}, {hook}"
-            missing = FAST_PATH_HINTS[False] if hook in ("hook_attn_scores", "hook_pattern") else ""
-            expect(hook in cache, stage, "never received a tensor.", missing or hook_hint)
+            expect(hook in cache, stage, "this hook point never received a tensor.", never)
             if hook == "hook_pattern":
-                hook_hint = CAUSAL_HINT if causal else PADDING_HINT
+                hook_hint = (
+                    CAUSAL_HINT if causal else "a padding mask (batch, 1, 1, k_pos) hides keys."
+                )
             elif len(args) > 1 and hook in ("hook_k", "hook_v"):
-                hook_hint = CROSS_HINT
+                hook_hint = "in cross-attention keys and values come from `context`, not from x."
             _expect_hook(stage, hook, cache[hook], ref_cache, allowed, hook_hint)
         z = einops.rearrange(ref_cache["hook_z"], "batch pos head d -> batch pos (d head)")
         W_O = einops.rearrange(reference.W_O, "head d d_model -> (head d) d_model")
-        mistakes = {CONCAT_HINT: z @ W_O + reference.b_O}
+        concat = "the heads are concatenated in the wrong order: flatten z as '(head d_head)' to "
+        concat += "line up with W_O's rows, or project each head with W_O[head] and sum over heads."
+        mistakes = {concat: z @ W_O + reference.b_O}
         expect_close(actual, expected, where, hint, atol=1e-8, mistakes=mistakes)
 
 
@@ -279,9 +263,7 @@ def check_multi_head_attention(cls: type) -> None:
     call(f"{name}.load_state_dict", module.load_state_dict, reference.state_dict(), strict=False)
     _expect_forward(name, module, reference)
     _expect_fast_path(name, module, reference)
-
-    _, (x, context), kwargs = _forward_cases()[1]
-    where = f"{name}(bias=False)"
+    (_, args, kwargs), where = _forward_cases()[1], f"{name}(bias=False)"
     module = call(where, cls, 16, 4, bias=False).double()
     reference = attention.MultiHeadAttention(16, 4, bias=False).double()
     expected = sorted(n for n, _ in reference.named_parameters())
@@ -290,7 +272,7 @@ def check_multi_head_attention(cls: type) -> None:
     expect(named, where, f"expected only the parameters {expected}.", hint + "forward.")
     call(f"{where}.reset_parameters", module.reset_parameters)
     call(f"{where}.load_state_dict", module.load_state_dict, reference.state_dict(), strict=False)
-    actual = call(where, module, x, context, **kwargs)
     hint = "without biases the projections are the einsums alone."
-    expect_close(actual, reference(x, context, **kwargs), where, hint, atol=1e-8)
+    actual = call(where, module, *args, **kwargs)
+    expect_close(actual, reference(*args, **kwargs), where, hint, atol=1e-8)
     passed(name)

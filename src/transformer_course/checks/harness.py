@@ -4,7 +4,7 @@ reference, and when they differ name the likely mistake.
 A checker prints one line saying the exercise passes, or raises `CheckFailure` with a targeted
 hint ("is eps inside the square root?"). A known mistake is named one way everywhere: the
 learner's output is compared with a table {hint naming the mistake: the output that mistake
-would produce} (`known_mistake`, `expect_no_known_mistake`, `expect_close(..., mistakes=)`).
+gives} (`known_mistake`, `expect_no_known_mistake`, `expect_close(..., mistakes=)`).
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from transformer_lens.hook_points import HookPoint
 from transformer_course.blocks import TransformerBlock
 
 CHECKERS = Path(__file__).resolve().parent
+DIFFERS = "values differ from the reference."
 CONVENTION_HINT = (
     "True means *may attend* (PyTorch's convention): keep the scores where the mask is True and "
     "fill the ones where it is False (`~mask`)."
@@ -68,7 +69,7 @@ def call(name: str, fn: Callable[..., Any], *args: Any, hint: str = "", **kwargs
         raise CheckFailure(message + (f"\nHint: {hint}" if hint else "")) from exc
 
 
-def expect(condition: bool, name: str, problem: str, hint: str = "") -> None:
+def expect(condition: Any, name: str, problem: str, hint: str = "") -> None:
     """Fail with `problem` (and `hint`) unless `condition` holds."""
     if not condition:
         raise CheckFailure(f"`{name}`: {problem}" + (f"\nHint: {hint}" if hint else ""))
@@ -86,18 +87,22 @@ def expect_raises(name: str, hint: str, fn: Callable, *args: Any, errors=(Except
 
 
 def describe(value: Any) -> str:
-    """A short description of a result, for a message."""
+    """A short description of a value, for a message."""
     if isinstance(value, Tensor):
-        dtype = str(value.dtype).replace("torch.", "")
-        return f"a tensor of dtype {dtype} and shape {tuple(value.shape)}"
+        return f"a {str(value.dtype)[6:]} tensor of shape {tuple(value.shape)}"
     return f"{value!r:.200}"
+
+
+def shape_of(value: Any) -> tuple | str:
+    """The shape of a tensor, or what else `value` is."""
+    return tuple(value.shape) if isinstance(value, Tensor) else type(value).__name__
 
 
 def matches(actual: Any, wanted: Any, atol: float = 1e-6) -> bool:
     """Whether `actual` is `wanted`: float tensors of one shape within `atol`, other tensors
     exactly, floats within a millionth of each other, anything else equal."""
     if isinstance(wanted, Tensor):
-        if not isinstance(actual, Tensor) or actual.shape != wanted.shape:
+        if shape_of(actual) != tuple(wanted.shape):
             return False
         if not wanted.is_floating_point():
             return torch.equal(actual.detach().to(wanted.dtype), wanted)
@@ -113,32 +118,15 @@ def known_mistake(actual: Any, mistakes: Mapping[str, Any], *, atol: float = 1e-
     return next((hint for hint, wrong in mistakes.items() if matches(actual, wrong, atol)), None)
 
 
-def expect_no_known_mistake(
-    name: str,
-    actual: Any,
-    mistakes: Mapping[str, Any],
-    *,
-    atol: float = 1e-6,
-    problem: str = "values differ from the reference.",
-) -> None:
+def expect_no_known_mistake(name: str, actual, mistakes: Mapping, *, atol=1e-6, problem=DIFFERS):
     """Fail with the hint of the mistake in `mistakes` whose output `actual` is, if any."""
     hint = known_mistake(actual, mistakes, atol=atol)
     expect(hint is None, name, problem, hint or "")
 
 
-def expect_close(
-    actual: Any,
-    expected: Any,
-    name: str,
-    hint: str = "",
-    *,
-    atol: float = 1e-5,
-    rtol: float = 1e-4,
-    mistakes: Mapping[str, Any] | None = None,
-) -> None:
-    """Check a result: for a tensor its type, shape, no NaN, then values within `atol` + `rtol`;
-    anything else must equal `expected`. A result that a known mistake gives fails with that
-    mistake's hint."""
+def expect_close(actual, expected, name: str, hint="", *, atol=1e-5, rtol=1e-4, mistakes=None):
+    """A tensor result's type, shape, no NaN, then values within `atol` + `rtol`; any other
+    result must equal `expected`. A result that a known mistake gives fails with its hint."""
     if not isinstance(expected, Tensor):
         if not matches(actual, expected):
             problem = f"expected {describe(expected)}, got {describe(actual)}."
@@ -147,20 +135,16 @@ def expect_close(
         return
     expect(isinstance(actual, Tensor), name, f"expected a torch.Tensor, got {describe(actual)}.")
     shape, got = tuple(expected.shape), tuple(actual.shape)
-    hint_shape = "check which dimensions you reduce or rearrange."
-    expect(got == shape, name, f"expected shape {shape}, got {got}.", hint_shape)
-    expect(not torch.isnan(actual).any().item(), name, "the result contains NaN.", hint)
+    sizes = "check which dimensions you reduce or rearrange."
+    expect(got == shape, name, f"expected shape {shape}, got {got}.", sizes)
+    expect(not torch.isnan(actual).any(), name, "the result contains NaN.", hint)
     actual = actual.detach().to(expected.dtype)
     if not torch.allclose(actual, expected, atol=atol, rtol=rtol):
         expect_no_known_mistake(name, actual, mistakes or {}, atol=atol)
         worst = (actual - expected).abs().max().item()
-        used = f"{expected.dtype} output of shape {shape}".replace("torch.", "")
-        expect(
-            False,
-            name,
-            f"values differ from the reference (max abs diff {worst:.3g}; {used}).",
-            hint,
-        )
+        used = f"{str(expected.dtype)[6:]} output of shape {shape}"
+        problem = f"values differ from the reference (max abs diff {worst:.3g}; {used})."
+        expect(False, name, problem, hint)
 
 
 def expect_mask_not_inverted(name: str, pattern: Any, allowed: Tensor) -> None:
@@ -193,8 +177,8 @@ def run_hooked(name: str, module: torch.nn.Module, hooks: list[str], *args: Any)
 
 
 def expect_hooks(name: str, module, reference, hints: dict[str, str], *args, atol=1e-8) -> Any:
-    """Run the learner's `module` and the `reference` on `args` and compare what each hook point
-    in `hints` receives; the first that differs fails with its hint. Returns the module's output."""
+    """Compare what each hook point in `hints` receives in the learner's `module` and in the
+    `reference` on `args`; the first that differs fails with its hint."""
     out, seen = run_hooked(name, module, list(hints), *args)
     with torch.no_grad():
         _, expected = run_hooked("reference", reference, list(hints), *args)
@@ -208,15 +192,20 @@ def expect_hooks(name: str, module, reference, hints: dict[str, str], *args, ato
     return out
 
 
+def seeded(seed: int) -> torch.Generator:
+    """A random generator that always gives the same numbers."""
+    return torch.Generator().manual_seed(seed)
+
+
 def randn(*shape: int, seed: int = 0, dtype: torch.dtype = torch.float64) -> Tensor:
     """Standard-normal values that the same seed always gives."""
-    return torch.randn(shape, generator=torch.Generator().manual_seed(seed), dtype=dtype)
+    return torch.randn(shape, generator=seeded(seed), dtype=dtype)
 
 
 def perturb(module: torch.nn.Module, seed: int, scale: float = 0.3) -> torch.nn.Module:
-    """Random offsets on every parameter (layer-norm gains and biases included), so a forward
-    pass that skips one, or uses it in the wrong place, shows up. Returns `module`."""
-    generator = torch.Generator().manual_seed(seed)
+    """`module` with random offsets on every parameter (layer-norm gains and biases included),
+    so a forward pass that skips one, or uses it in the wrong place, shows up."""
+    generator = seeded(seed)
     with torch.no_grad():
         for param in module.parameters():
             param.add_(scale * torch.randn(param.shape, generator=generator, dtype=param.dtype))
@@ -227,11 +216,10 @@ def expect_same_in_train_mode(name: str, module, reference, *args: Any, hint: st
     """Dropout: in eval mode two calls agree with the reference (no dropout at all); in train
     mode, under the same seed, the learner's dropout falls where the reference's does."""
     module.eval(), reference.eval()
-    where = f"{name} (eval mode)"
+    where, off = f"{name} (eval mode)", "in eval mode dropout does nothing: use nn.Dropout or "
+    off += "F.dropout(..., training=self.training)."
     with torch.no_grad():
         first, second = (call(f"{name}.forward", module, *args) for _ in range(2))
-        off = "in eval mode dropout must do nothing: use nn.Dropout modules or "
-        off += "F.dropout(..., training=self.training)."
         expect_close(first, reference(*args), where, off, atol=atol)
     expect(torch.equal(first, second), where, "two calls give different outputs.", off)
     module.train(), reference.train()
@@ -245,10 +233,9 @@ def expect_same_in_train_mode(name: str, module, reference, *args: Any, hint: st
     expect_close(actual, expected.detach(), f"{name} (train mode, dropout on)", hint, atol=atol)
 
 
-def expect_evaluating(name: str, fn: Callable[..., Any], model: torch.nn.Module, *args, **kwargs):
-    """Call the learner's `fn(model, ...)` with `model` in train mode: every module must run in
-    eval mode (no dropout) without gradients, and the model must come back in train mode.
-    Returns what `fn` returned."""
+def expect_evaluating(name: str, fn: Callable, model: torch.nn.Module, *args, **kwargs) -> Any:
+    """The learner's `fn(model, ...)` with `model` in train mode, which every module must run in
+    eval mode (no dropout) without gradients, the model coming back in train mode."""
     runs: list[tuple[bool, bool]] = []
 
     def record(module: torch.nn.Module, inputs: Any) -> None:
@@ -297,27 +284,16 @@ CROSS_HOOKS = {
     "hook_cross_attn_out": "hook_cross_attn_out gets what the cross-attention adds.",
     "hook_resid_mid_cross": "hook_resid_mid_cross gets the stream after the cross-attention.",
 }
-BLOCK_MISTAKES = {  # hint: what is wrong, as keywords of `block_output`
-    "the padding is visible: the mask is ignored; pass mask=mask to the self-attention.": dict(
-        mask=None
-    ),
-    "the cross-attention sublayer is missing: it goes between self-attention and the MLP.": dict(
-        no_cross=True
-    ),
-    "the cross-attention ignores the source padding: pass context_mask.": dict(context_mask=None),
-    "cross-attention takes its keys and values from context, the encoder's output.": dict(
-        context=None, context_mask=None
-    ),
-    "each sublayer has its own layer norm: self.ln_cross for the cross-attention.": dict(
-        ln_cross="ln1"
-    ),
-    "the cross-attention's layer norm is self.ln_cross, not self.ln2.": dict(ln_cross="ln2"),
-    "the order is self-attention, then cross-attention, then the MLP.": dict(cross_first=True),
-    "a residual connection is missing: add each sublayer's output to the stream.": dict(
-        residual=False
-    ),
-}
-STREAM_HINT = "only the sublayer's input is normalised; the residual stream itself stays as it is."
+BLOCK_MISTAKES = [  # (what is wrong, as keywords of `block_output`; the hint naming it)
+    ({"mask": None}, "the padding is visible: the mask is ignored; pass mask=mask to self.attn."),
+    ({"no_cross": True}, "the cross-attention sublayer is missing: it follows self-attention."),
+    ({"context_mask": None}, "the cross-attention ignores the source padding: pass context_mask."),
+    ({"context": None, "context_mask": None}, "cross-attention's keys and values are context."),
+    ({"ln_cross": "ln1"}, "each sublayer has its own layer norm: self.ln_cross for this one."),
+    ({"ln_cross": "ln2"}, "the cross-attention's layer norm is self.ln_cross, not self.ln2."),
+    ({"cross_first": True}, "the order is self-attention, then cross-attention, then the MLP."),
+    ({"residual": False}, "a residual connection is missing: add each sublayer's output to x."),
+]
 NORMS = {"pre": "x = x + attn(ln1(x)), then x = x + mlp(ln2(x))", "post": "x = ln1(x + attn(x))"}
 CAUSAL_HINTS = {  # by the block's `causal`
     True: "the self-attention must be causal: causal=self.causal (causal=True in GPT-2).",
@@ -325,12 +301,10 @@ CAUSAL_HINTS = {  # by the block's `causal`
 }
 
 
-def block_output(
-    block: TransformerBlock, x: Tensor, mask=None, context=None, context_mask=None, **wrong: Any
-) -> Tensor:
-    """The reference `block`'s forward pass built from its own parts, with what is `wrong`: an
-    input left out, the other norm or causality, a layer norm swapped, the sublayers reordered,
-    the stream normalised by the first sublayer, or no residual connections."""
+def block_output(block: TransformerBlock, x, mask=None, context=None, context_mask=None, **wrong):
+    """The reference `block`'s forward pass built from its own parts, with what is `wrong`: the
+    other norm or causality, a layer norm swapped, the sublayers reordered, the stream
+    normalised by the first sublayer, or no residual connections."""
     norm, causal = wrong.get("norm", block.norm), wrong.get("causal", block.causal)
 
     def sublayer(r: Tensor, f: Callable[[Tensor], Tensor], ln: Callable, first: bool) -> Tensor:
@@ -357,21 +331,20 @@ def expect_block(name: str, cls: type, settings: dict, cases: list, *, hint: str
     block = call(f"{name}.__init__", cls, 16, 4, 4, 32, **settings).double()
     load_reference_weights(name, block, reference, "ln1, attn, ln_cross, cross_attn, ln2, mlp")
     other = "post" if block.norm == "pre" else "pre"
-    wrongs = {
-        f"this is {other}-LN: with norm={block.norm!r}, {NORMS[block.norm]}.": dict(norm=other),
-        CAUSAL_HINTS[block.causal]: dict(causal=not block.causal),
-        **BLOCK_MISTAKES,
-        **({STREAM_HINT: dict(normed_stream=True)} if block.norm == "pre" else {}),
-    }
+    norm = f"this is {other}-LN: with norm={block.norm!r}, {NORMS[block.norm]}."
+    wrongs = [({"norm": other}, norm), ({"causal": not block.causal}, CAUSAL_HINTS[block.causal])]
+    wrongs += BLOCK_MISTAKES
+    if block.norm == "pre":
+        stream = "only the sublayer's input is normalised; the residual stream itself stays as is."
+        wrongs.append(({"normed_stream": True}, stream))
     for label, args, kwargs in cases:
         where = f"{name}, {label}"
         with torch.no_grad():
             actual = call(where, block.eval(), *args, hint=crash or hint, **kwargs)
-            stream, got = tuple(args[0].shape), tuple(getattr(actual, "shape", ()))
-            problem = f"expected the stream's shape {stream}, got {got}."
-            expect(got == stream, where, problem, crash or hint)
+            problem = f"expected the stream's shape {tuple(args[0].shape)}, got {shape_of(actual)}."
+            expect(shape_of(actual) == args[0].shape, where, problem, crash or hint)
             inputs = dict(zip(("x", "mask", "context", "context_mask"), args), **kwargs)
-            mistakes = {h: block_output(reference, **{**inputs, **w}) for h, w in wrongs.items()}
+            mistakes = {h: block_output(reference, **{**inputs, **w}) for w, h in wrongs}
             expected = reference(*args, **kwargs)
         expect_close(actual, expected, where, hint, atol=1e-6, mistakes=mistakes)
     hooks = {**BLOCK_HOOKS, **(CROSS_HOOKS if settings.get("cross_attention") else {})}

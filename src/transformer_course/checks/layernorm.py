@@ -18,6 +18,7 @@ from transformer_course.checks.harness import (
     expect_close,
     expect_hooks,
     passed,
+    perturb,
     randn,
 )
 
@@ -37,55 +38,52 @@ def _over(dim: int | None, x: Tensor) -> dict:
 
 def _layer_norm_mistakes(x: Tensor, w: Tensor, b: Tensor, eps: float) -> dict[str, Tensor]:
     """The classic layer-norm bugs: {the hint naming each: the output it gives}."""
-    centred = x - x.mean(-1, keepdim=True)
-    biased, unbiased = centred.pow(2).mean(-1, keepdim=True), x.var(-1, keepdim=True)
+    c, affine = x - x.mean(-1, keepdim=True), lambda normalized: normalized * w + b
+    var, unbiased = c.pow(2).mean(-1, keepdim=True), x.var(-1, keepdim=True)
     mistakes = {
         "the variance divides by d_model - 1 (Bessel's correction); layer norm uses the biased "
-        "variance, x.var(-1, unbiased=False).": centred / (unbiased + eps).sqrt() * w + b,
-        "is eps inside the square root? Divide by sqrt(var + eps), not sqrt(var) + eps.": centred
-        / (biased.sqrt() + eps)
-        * w
-        + b,
+        "variance, x.var(-1, unbiased=False).": affine(c / (unbiased + eps).sqrt()),
+        "is eps inside the square root? Divide by sqrt(var + eps).": affine(c / (var.sqrt() + eps)),
         "this looks like x.std(-1) + eps: eps is added to the std (it belongs inside the square "
-        "root) and x.std is unbiased.": centred / (unbiased.sqrt() + eps) * w + b,
+        "root) and x.std is unbiased.": affine(c / (unbiased.sqrt() + eps)),
         "eps is added outside the square root: use sqrt(var + eps), not sqrt(var) + sqrt(eps).": (
-            centred / (biased.sqrt() + eps**0.5) * w + b
+            affine(c / (var.sqrt() + eps**0.5))
         ),
         "eps is missing: divide by sqrt(var + eps), with eps inside the square root, so a "
-        "constant row gives b instead of 0/0.": centred / biased.sqrt() * w + b,
-        "did you apply the learned scale w and shift b? Return normalized * w + b.": centred
-        / (biased + eps).sqrt(),
-        SELF_EPS.format("1e-5"): centred / (biased + 1e-5).sqrt() * w + b,
-        "w and b are swapped: return normalized * w + b.": centred / (biased + eps).sqrt() * b + w,
+        "constant row gives b instead of 0/0.": affine(c / var.sqrt()),
+        "did you apply the learned scale w and shift b? Return normalized * w + b.": (
+            c / (var + eps).sqrt()
+        ),
+        SELF_EPS.format("1e-5"): affine(c / (var + 1e-5).sqrt()),
+        "w and b are swapped: return normalized * w + b.": c / (var + eps).sqrt() * b + w,
     }
     for dim, where in WRONG_DIMS.items():
         wrong = x - x.mean(**_over(dim, x))
         wrong = wrong / (wrong.pow(2).mean(**_over(dim, x)) + eps).sqrt()
-        hint = f"you normalise over {where}: take mean and variance over dim=-1, keepdim=True."
-        mistakes[hint] = wrong * w + b
+        mistakes[f"you normalise over {where}: take mean and variance over dim=-1."] = affine(wrong)
     return mistakes
 
 
 def _rms_norm_mistakes(x: Tensor, w: Tensor, b: Tensor, eps: float) -> dict[str, Tensor]:
     """The classic RMSNorm bugs: {the hint naming each: the output it gives}."""
-    mean_square, centred = x.pow(2).mean(-1, keepdim=True), x - x.mean(-1, keepdim=True)
+    mean_square, c = x.pow(2).mean(-1, keepdim=True), x - x.mean(-1, keepdim=True)
     mistakes = {
-        "RMSNorm does not subtract the mean: divide x itself by sqrt(mean(x**2) + eps).": centred
-        / (centred.pow(2).mean(-1, keepdim=True) + eps).sqrt()
-        * w,
-        "is eps inside the square root? Divide by sqrt(mean(x**2) + eps).": x
-        / (mean_square.sqrt() + eps)
-        * w,
+        "RMSNorm does not subtract the mean: divide x itself by sqrt(mean(x**2) + eps).": (
+            c / (c.pow(2).mean(-1, keepdim=True) + eps).sqrt() * w
+        ),
+        "is eps inside the square root? Divide by sqrt(mean(x**2) + eps).": (
+            x / (mean_square.sqrt() + eps) * w
+        ),
         "eps is missing: divide by sqrt(mean(x**2) + eps), with eps inside the square root, so an "
         "all-zero row gives 0 instead of NaN.": x / mean_square.sqrt() * w,
         "did you apply the learned scale w? Return normalized * w.": x / (mean_square + eps).sqrt(),
-        "the root mean square uses the mean of x**2 over d_model, not the sum (or the norm).": x
-        / (x.pow(2).sum(-1, keepdim=True) + eps).sqrt()
-        * w,
+        "the root mean square uses the mean of x**2 over d_model, not the sum (or the norm).": (
+            x / (x.pow(2).sum(-1, keepdim=True) + eps).sqrt() * w
+        ),
         SELF_EPS.format("1e-6"): x / (mean_square + 1e-6).sqrt() * w,
     }
     for dim, where in WRONG_DIMS.items():
-        hint = f"you normalise over {where}: take the mean of x**2 over dim=-1, keepdim=True."
+        hint = f"you normalise over {where}: take the mean of x**2 over dim=-1."
         mistakes[hint] = x / (x.pow(2).mean(**_over(dim, x)) + eps).sqrt() * w
     return mistakes
 
@@ -137,19 +135,19 @@ def _check_norm(name: str, cls: type, reference: type, params: tuple, norm, mist
 def _check_half(name: str, cls: type, reference: type) -> None:
     """A float16 input in the hundreds: right only if the norm computes in float32, and the
     result must come back in float16."""
-    module = call(f"{name}.__init__", cls, D_MODEL, eps=1e-5)
-    with torch.no_grad():
-        for k, param in enumerate(module.parameters()):
-            param.copy_(randn(D_MODEL, seed=7 + k, dtype=torch.float32) * 0.5 + 1)
+    module = perturb(call(f"{name}.__init__", cls, D_MODEL, eps=1e-5), seed=7)
     ours = reference(D_MODEL, eps=1e-5)
     ours.load_state_dict(module.state_dict())
-    x = (randn(3, 5, D_MODEL, seed=7, dtype=torch.float32) * 300).half()
-    where = f"{name} (float16 input with values in the hundreds)"
+    x, where = (
+        (randn(3, 5, D_MODEL, seed=7) * 300).half(),
+        f"{name} (float16 input in the hundreds)",
+    )
     actual = call(f"{name}.forward", module, x)
-    dtype = getattr(actual, "dtype", type(actual).__name__)
-    problem = f"expected a float16 output (the input's dtype), got {dtype}."
-    hint = "computing in float32 inside is right; return the result `.to(x.dtype)`."
-    expect(dtype == torch.float16, where, problem, hint)
+    dtype, hint = (
+        getattr(actual, "dtype", None),
+        "compute in float32 inside, return `.to(x.dtype)`.",
+    )
+    expect(dtype == torch.float16, where, f"expected a float16 output (as x), got {dtype}.", hint)
     with torch.no_grad():
         expect_close(actual, ours(x), where, HALF_HINT, atol=1e-2, rtol=1e-2)
 

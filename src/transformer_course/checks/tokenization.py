@@ -137,10 +137,8 @@ def check_train_merges(fn: Callable) -> None:
         expect(got == num_merges, where, problem, "loop until you have num_merges merges.")
         chunks = {tuple(chunk): weight for chunk, weight in chunk_counts.items()}
         for step, (pair, new_id) in enumerate(merges.items()):
-            problem = f"merge {step} should create id {256 + step}, got {new_id}."
-            expect(
-                new_id == 256 + step, where, problem, "new ids count up from 256, one per merge."
-            )
+            problem, hint = f"merge {step} created id {new_id}.", "new ids count up from 256."
+            expect(new_id == 256 + step, where, problem, hint)
             hint = "weight each chunk's pairs by how often the chunk occurs."
             if not _most_frequent(chunks, pair, weighted=False):
                 hint = OVERLAP_HINT + " Also recount (or update) the pair counts after every merge."
@@ -217,10 +215,9 @@ ONCE_HINT = (
     "every character must be encoded once: each special token as its id, and every chunk of the "
     "text between them (split_chunks keeps what the pattern skips)."
 )
+EOT = "<|endoftext|>"
 # Runs of spaces teach the merge "  ", which the pre-split keeps from joining " spaces".
-BPE_TRAINING = (
-    "Hello world, hello worlds. The end<|endoftext|>The start. café naïve 日本語 a  b   c\n"
-)
+BPE_TRAINING = f"Hello world, hello worlds. The end{EOT}The start. café naïve 日本語 a  b   c\n"
 
 
 def _pre_split(tokenizer: BPETokenizer) -> regex.Pattern | None:
@@ -267,15 +264,11 @@ def _bpe_mistakes(tokenizer: BPETokenizer, text: str) -> dict[str, list[int]]:
     whole = BPETokenizer(tokenizer.vocab, tokenizer.merges, special_tokens=tokenizer.special_tokens)
     return {
         "special tokens are cut out of the text first (the special-token regex's split puts them "
-        "at the odd positions) and each becomes its one id, never merged bytes.": (
-            tokenizer.encode_ordinary(text)
-        ),
-        "a token crosses the pre-split: merges must stay inside the chunks split_chunks cuts "
-        "each piece into with the pattern; encode each chunk on its own.": whole.encode(text),
+        "at the odd positions), each its one id.": tokenizer.encode_ordinary(text),
+        "a token crosses the pre-split: merges stay inside the chunks split_chunks cuts each "
+        "piece into with the pattern; encode each chunk on its own.": whole.encode(text),
         "the chunks are right but their merges are not: within each chunk, merge the pair with "
-        "the lowest rank (self.ranks) first, as encode_chunk does.": _in_text_order(
-            tokenizer, text
-        ),
+        "the lowest rank first, as encode_chunk does.": _in_text_order(tokenizer, text),
     }
 
 
@@ -284,22 +277,17 @@ def check_bpe_encode(cls: type) -> None:
     pre-split, then the merges within each chunk; ids identical to the reference's."""
     name = "BPETokenizer.encode"
     for pattern in (GPT2_SPLIT_PATTERN, None):
-        specials = ["<|endoftext|>"]
         reference = BPETokenizer.train(
-            BPE_TRAINING * 20, 300, pattern=pattern, special_tokens=specials
+            BPE_TRAINING * 20, 300, pattern=pattern, special_tokens=[EOT]
         )
-        tables = dict(pattern=pattern, special_tokens=reference.special_tokens)
-        theirs = call(
-            f"{name} (building the tokenizer)", cls, reference.vocab, reference.merges, **tables
-        )
+        tables = reference.vocab, reference.merges
+        theirs = call(name, cls, *tables, pattern=pattern, special_tokens=reference.special_tokens)
         for sample in BPE_TEXTS + tuple(_rank_order_samples(reference)):
             where = f"{name}({sample!r}), pattern={'GPT-2' if pattern else 'None'}"
             actual, expected = call(name, theirs.encode, sample), reference.encode(sample)
             if actual != expected:
                 ids = isinstance(actual, list) and all(i in reference.vocab for i in actual)
-                problem = (
-                    f"expected a list of ids below {len(reference.vocab)}, got {describe(actual)}."
-                )
+                problem = f"expected ids below {len(reference.vocab)}, got {describe(actual)}."
                 expect(ids, where, problem)
                 problem = f"decode(encode(text)) is {reference.decode(actual)!r}, not the text."
                 expect(reference.decode(actual) == sample, where, problem, ONCE_HINT)

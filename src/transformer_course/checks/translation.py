@@ -23,6 +23,7 @@ from transformer_course.checks.harness import (
     passed,
     perturb,
     randn,
+    seeded,
 )
 from transformer_course.decoding import greedy_decode
 from transformer_course.encoder_decoder import (
@@ -36,33 +37,26 @@ from transformer_course.masking import padding_mask
 from transformer_course.training import inverse_sqrt_lr
 
 
-def _interleave(even: Tensor, odd: Tensor) -> Tensor:
-    return torch.stack([even, odd], dim=-1).flatten(-2)
-
-
 def _pe_mistakes(seq_len: int, d_model: int) -> dict[str, Tensor]:
     """The tables the classic positional-encoding bugs give, keyed by their hint."""
     position = torch.arange(seq_len, dtype=torch.float64)[:, None]
-    two_i = torch.arange(0, d_model, 2, dtype=torch.float64)
-    angles, frequency = position / 10000 ** (two_i / d_model), 10000 ** (two_i / d_model)
+    frequency = 10000 ** (torch.arange(0, d_model, 2, dtype=torch.float64) / d_model)
     per_dim = position / 10000 ** (torch.arange(d_model, dtype=torch.float64) / d_model)
-    sin_cos = lambda angles: _interleave(angles.sin(), angles.cos())
+    pairs = lambda even, odd: torch.stack([even, odd], dim=-1).flatten(-2)
+    sin_cos = lambda angles: pairs(angles.sin(), angles.cos())
+    angles = position / frequency
     return {
-        "sin and cos are swapped: even dimensions 2i get sin, odd ones 2i+1 get cos.": _interleave(
+        "sin and cos are swapped: dims 2i get sin, dims 2i+1 cos.": pairs(
             angles.cos(), angles.sin()
         ),
-        "sin and cos should be interleaved (sin in dims 0, 2, 4, ...; cos in dims 1, 3, 5, ...), "
-        "not the sines in one half and the cosines in the other.": torch.cat(
-            [angles.sin(), angles.cos()], dim=-1
-        ),
+        "sin and cos should be interleaved (sin in dims 0, 2, ...; cos in dims 1, 3, ...), not "
+        "one half each.": torch.cat([angles.sin(), angles.cos()], dim=-1),
         "the exponent is 2i/d_model, 2i the even dimension of the pair: dims 2i and 2i+1 share "
-        "one frequency.": _interleave(per_dim[:, 0::2].sin(), per_dim[:, 1::2].cos()),
-        "positions start at 0: the first row is sin(0) = 0 and cos(0) = 1.": sin_cos(
-            angles + 1 / frequency
+        "one frequency.": pairs(per_dim[:, 0::2].sin(), per_dim[:, 1::2].cos()),
+        "positions start at 0: row 0 is sin(0) = 0, cos(0) = 1.": sin_cos(
+            (position + 1) / frequency
         ),
-        "divide the position by 10000^(2i/d_model); multiplying gives huge angles.": sin_cos(
-            position * frequency
-        ),
+        "divide the position by 10000^(2i/d_model), don't multiply.": sin_cos(position * frequency),
     }
 
 
@@ -71,11 +65,10 @@ def check_positional_encoding(fn: Callable[[int, int], Tensor]) -> None:
     name = "sinusoidal_positional_encoding"
     hint = "PE[pos, 2i] = sin(pos / 10000^(2i/d_model)), PE[pos, 2i+1] = cos(the same angle)."
     for seq_len, d_model in ((7, 4), (50, 16)):
-        actual = call(name, fn, seq_len, d_model)
+        actual, where = call(name, fn, seq_len, d_model), f"{name}({seq_len}, {d_model})"
         actual = actual.double() if isinstance(actual, Tensor) else actual
         expected = sinusoidal_positional_encoding(seq_len, d_model, dtype=torch.float64)
-        mistakes = _pe_mistakes(seq_len, d_model)
-        expect_close(actual, expected, f"{name}({seq_len}, {d_model})", hint, mistakes=mistakes)
+        expect_close(actual, expected, where, hint, mistakes=_pe_mistakes(seq_len, d_model))
     passed(name)
 
 
@@ -90,21 +83,15 @@ def check_token_embedding(cls: type) -> None:
         "did you forget the sqrt(d_model) embedding scale? Multiply W_E[tokens] by sqrt(d_model) "
         "before adding the positional encoding.": looked_up + pe,
         "the embedding is divided by sqrt(d_model); multiply by it instead.": looked_up / 4 + pe,
-        "scale only the token embedding by sqrt(d_model), not its sum with the positional "
-        "encoding.": (looked_up + pe) * 4,
+        "scale only the token embedding, not the positional encoding.": (looked_up + pe) * 4,
         "the positional encoding is missing: add PE[:pos] to the scaled embedding.": looked_up * 4,
         "scale by sqrt(d_model), not by d_model.": looked_up * 16 + pe,
     }
-    actual, hint = (
-        call(f"{name}.forward", theirs, tokens),
-        "W_E[tokens] * sqrt(d_model) + PE[:pos].",
-    )
+    actual, hint = call(f"{name}.forward", theirs, tokens), "W_E[tokens] * sqrt(d_model) + PE."
     expect_close(actual, ours(tokens).detach(), name, hint, atol=1e-6, mistakes=mistakes)
     theirs, ours = call(name, cls, 11, 16, 0.5).double(), TokenEmbedding(11, 16, 0.5).double()
     theirs.load_state_dict(ours.state_dict())
-    hint = (
-        "apply self.dropout once, to the sum of the scaled embedding and the positional encoding."
-    )
+    hint = "apply self.dropout once, to the sum of the scaled embedding and the encoding."
     expect_same_in_train_mode(f"{name}(dropout=0.5)", theirs, ours, tokens, hint=hint)
     passed(name)
 
@@ -123,14 +110,12 @@ def _sublayer_mistakes(resid: Tensor, f: Callable, ln: LayerNorm, norm: str) -> 
             "the layer norm is missing: pre-LN feeds ln(resid) to the sublayer.": resid + of_resid,
         }
     return {
-        "this is pre-LN; with norm='post' normalise the sum, after the residual add: "
-        "ln(resid + dropout(sublayer(resid))).": resid + of_normed,
+        "this is pre-LN; with norm='post' normalise the sum: ln(resid + dropout(sublayer(resid)))"
+        ".": resid + of_normed,
         "post-LN normalises the sum, ln(resid + out), not ln(resid) + out: the norm comes after "
         "the residual add.": normed + of_resid,
         "post-LN normalises the sum, not the sublayer's output.": resid + ln(of_resid),
-        "with post-LN the sublayer reads resid itself; only the sum is normalised.": ln(
-            resid + of_normed
-        ),
+        "with post-LN the sublayer reads resid itself.": ln(resid + of_normed),
         "the residual connection is missing: normalise resid + out, not out alone.": ln(of_resid),
         "the layer norm is missing: post-LN returns ln(resid + out).": resid + of_resid,
     }
@@ -155,31 +140,22 @@ def check_residual_sublayer(fn: Callable[..., Tensor]) -> None:
             return call(name, fn, resid, f, ln, norm=norm, dropout=dropout, hook_out=hook_out), seen
 
     for norm in ("pre", "post"):
-        where, form = (
-            f"{name}(norm={norm!r})",
-            "resid + out" if norm == "pre" else "ln(resid + out)",
-        )
+        where, mistakes = f"{name}(norm={norm!r})", _sublayer_mistakes(resid, f, ln, norm)
         (actual, seen), (expected, wanted) = run(fn, norm), run(residual_sublayer, norm)
-        mistakes = _sublayer_mistakes(resid, f, ln, norm)
+        form = "resid + out" if norm == "pre" else "ln(resid + out)"
         hint = f"with out = dropout(sublayer(...)), return {form}."
         expect_close(actual, expected, where, hint, atol=1e-8, mistakes=mistakes)
         hint = "pass what the sublayer adds to the stream (after dropout) through hook_out, once."
-        problem = f"hook_out was called {len(seen)} times, or with another tensor."
-        expect(
-            len(seen) == 1 and torch.allclose(seen[0], wanted[0]),
-            f"{where}, hook_out",
-            problem,
-            hint,
-        )
+        once = len(seen) == 1 and torch.allclose(seen[0], wanted[0])
+        problem = f"called {len(seen)} times, or with another tensor."
+        expect(once, f"{where}, hook_out", problem, hint)
         patched = run(fn, norm, replace=torch.zeros_like(resid))[0]
         hint = "add what hook_out returns (a hook may replace the tensor), not what you passed it."
         zero = resid if norm == "pre" else ln(resid).detach()
         expect_close(patched, zero, f"{where}, a patching hook", hint, atol=1e-8)
         dropout, where = torch.nn.Dropout(0.5).train(), f"{where}, dropout=0.5 in train mode"
-        (actual, seen), (expected, wanted) = (
-            run(fn, norm, dropout),
-            run(residual_sublayer, norm, dropout),
-        )
+        actual, seen = run(fn, norm, dropout)
+        expected, wanted = run(residual_sublayer, norm, dropout)
         hint = "apply dropout once, to the sublayer's output, before hook_out and the residual add."
         expect_close(actual, expected, where, hint, atol=1e-8)
         after = len(seen) == 1 and torch.allclose(seen[0], wanted[0])
@@ -195,17 +171,13 @@ def check_seq2seq_block(cls: type) -> None:
     x, context = randn(2, 5, 16, seed=3), randn(2, 4, 16, seed=4)
     mask = padding_mask(torch.tensor([[3, 4, 5, 6, 7], [3, 4, 5, 0, 0]]), 0)
     context_mask = padding_mask(torch.tensor([[3, 4, 5, 6], [3, 4, 0, 0]]), 0)
-    hint = "self-attention (causal=self.causal, mask=mask), then with self.cross_attention the "
-    hint += "cross-attention to context, then the MLP: each a residual_sublayer with its own "
-    hint += "layer norm and hook."
+    hint = "self-attention (causal=self.causal, mask=mask), with self.cross_attention then the "
+    hint += "cross-attention to context, then the MLP: each a residual_sublayer."
     crash = "the stream has 5 positions and the context 4. Queries come from the stream; keys, "
-    crash += "values and context_mask belong to the context: self.cross_attn(x, context, "
-    crash += "mask=context_mask)."
+    crash += "values and context_mask from the context: self.cross_attn(x, context, mask=...)."
     encoder = [("a padding mask", (x, mask), {}), ("mask left at its default", (x,), {})]
-    decoder = [
-        ("padding masks", (x, mask, context, context_mask), {}),
-        ("mask and context_mask left at their default", (x,), {"context": context}),
-    ]
+    decoder = [("padding masks", (x, mask, context, context_mask), {})]
+    decoder.append(("mask and context_mask left at their default", (x,), {"context": context}))
     for decoder_block, cases in ((False, encoder), (True, decoder)):
         for norm in ("post", "pre"):
             settings = dict(norm=norm, act_fn="relu", causal=decoder_block)
@@ -229,8 +201,8 @@ def _decode_mistakes(model, tgt: Tensor, memory: Tensor, src_mask: Tensor) -> di
     return {
         "the target's padding is visible: give every decoder block padding_mask(tgt, pad_id) as "
         "its mask (the blocks are causal themselves).": decode(None, src_mask),
-        "the source padding is visible: give every decoder block context_mask=src_mask.": decode(
-            tgt_mask, None
+        "the source padding is visible: give each decoder block context_mask=src_mask.": (
+            decode(tgt_mask, None)
         ),
         "with pre-LN the stream is never normalised inside the blocks: end the decoder with "
         "self.ln_dec.": decode(tgt_mask, src_mask, final_norm=False),
@@ -240,47 +212,38 @@ def _decode_mistakes(model, tgt: Tensor, memory: Tensor, src_mask: Tensor) -> di
 def check_encoder_decoder(cls: type) -> None:
     """`cls(cfg).encode(src)` and `.decode(tgt, memory, src_mask)` against the reference, with
     post-LN and pre-LN, tied and untied embeddings, padded sources and targets."""
-    name = "EncoderDecoderTransformer"
+    name, parts = "EncoderDecoderTransformer", "src_embed, tgt_embed, encoder, decoder, ln_enc"
     src = torch.tensor([[3, 4, 5, 6, 2], [7, 8, 2, 0, 0]])
     tgt = torch.tensor([[1, 9, 10, 11], [1, 12, 0, 0]])
-    parts = "src_embed, tgt_embed, encoder, decoder, ln_enc, ln_dec, b_U"
+    sizes = dict(src_vocab=13, tgt_vocab=13, d_model=16, n_heads=4, n_layers=2, d_mlp=32, n_ctx=12)
     for norm, tie in (("post", True), ("pre", False)):
-        sizes = dict(src_vocab=13, tgt_vocab=13, d_model=16, n_heads=4, n_layers=2, d_mlp=32)
-        cfg = Seq2SeqConfig(**sizes, n_ctx=12, norm=norm, share_embeddings=tie, tie_embeddings=tie)
+        cfg = Seq2SeqConfig(**sizes, norm=norm, share_embeddings=tie, tie_embeddings=tie)
         where = f"{name} (norm={norm!r}, tied embeddings={tie})"
         torch.manual_seed(4)
         ours = perturb(EncoderDecoderTransformer(cfg).double(), seed=5).eval()
         theirs = call(name, cls, cfg).double()
-        load_reference_weights(where, theirs, ours, parts)
+        load_reference_weights(where, theirs, ours, parts + ", ln_dec, W_U, b_U")
         with torch.no_grad():
             memory, expected = call(f"{name}.encode", theirs.eval().encode, src), ours.encode(src)
             unnormed = ours.src_embed(src)
             for block in ours.encoder:
                 unnormed = block(unnormed, ours.src_mask(src))
-            hint = "with pre-LN the stream is never normalised inside the blocks: end the encoder "
-            mistakes = {hint + "with self.ln_enc.": unnormed} if norm == "pre" else {}
-            hint = (
-                "embed, run every encoder block with the source padding mask, then (pre-LN) ln_enc."
-            )
+            ln_enc = "pre-LN never normalises the stream inside the blocks: end with self.ln_enc."
+            mistakes = {ln_enc: unnormed} if norm == "pre" else {}
+            hint = "embed, every encoder block with the source padding mask, then (pre-LN) ln_enc."
             expect_close(memory, expected, f"{where}, encode", hint, atol=1e-6, mistakes=mistakes)
             src_mask = ours.src_mask(src)
             logits = call(f"{name}.decode", theirs.decode, tgt, expected, src_mask)
             mistakes = _decode_mistakes(ours, tgt, expected, src_mask)
+            wanted = ours.decode(tgt, expected, src_mask)
             hint = "embed the target; each decoder block gets the target padding mask, "
             hint += "context=memory, context_mask=src_mask; (pre-LN) ln_dec; then x @ W_U + b_U."
-            wanted = ours.decode(tgt, expected, src_mask)
             expect_close(logits, wanted, f"{where}, decode", hint, atol=1e-6, mistakes=mistakes)
     passed(name)
 
 
 LABEL_SMOOTHING_CASES = [  # label, logits scale, options, hint
-    (
-        "",
-        1,
-        dict(smoothing=0.2, ignore_index=0),
-        "(1 - s) * nll + s * mean(-log p) over the vocabulary, averaged over the targets that "
-        "are not ignore_index.",
-    ),
+    ("", 1, dict(smoothing=0.2, ignore_index=0), "(1 - s) * nll + s * mean(-log p)."),
     (" (ignore_index left at its default, None)", 1, dict(smoothing=0.2), "every position counts."),
     (" (smoothing=0)", 1, dict(smoothing=0.0, ignore_index=0), "this is the plain cross-entropy."),
     (
@@ -295,42 +258,29 @@ LABEL_SMOOTHING_CASES = [  # label, logits scale, options, hint
 def check_label_smoothing(fn: Callable[..., Tensor]) -> None:
     """`fn(logits, targets, smoothing=, ignore_index=)` must equal
     `F.cross_entropy(..., label_smoothing=)`, for every combination of the options."""
-    name = "label_smoothed_cross_entropy"
-    logits, generator = randn(3, 6, 9, seed=2), torch.Generator().manual_seed(2)
-    targets = torch.randint(1, 9, (3, 6), generator=generator)
+    name, logits = "label_smoothed_cross_entropy", randn(3, 6, 9, seed=2)
+    targets = torch.randint(1, 9, (3, 6), generator=seeded(2))
     targets[0, 3:] = 0
-    log_probs = logits.log_softmax(-1)
+    log_probs, keep = logits.log_softmax(-1), targets != 0
     nll = -log_probs.gather(-1, targets[..., None]).squeeze(-1)
-    keep = targets != 0
     others = (-log_probs.sum(-1) - nll) / 8
     smoothed = 0.8 * nll + 0.2 * -log_probs.mean(-1)
     mistakes = {
-        "the smoothing mass is spread over all vocab tokens, the right one included: the target is "
-        "(1 - s) * one_hot + s / vocab, so the loss is (1 - s) * nll + s * mean(-log p).": (
-            (0.8 * nll + 0.2 * others) * keep
-        ).sum()
-        / keep.sum(),
+        "the smoothing mass is spread over all vocab tokens, the right one included: the target "
+        "is (1 - s) * one_hot + s / vocab.": (0.8 * nll + 0.2 * others)[keep].mean(),
         "padding positions count: ignore positions whose target is ignore_index, and average over "
         "the others only.": smoothed.mean(),
         "the padding positions are zeroed but still counted in the average: divide by the number "
         "of real tokens.": (smoothed * keep).sum() / keep.numel(),
-        "there is no smoothing: mix (1 - smoothing) * nll with smoothing * mean(-log p).": (
-            nll * keep
-        ).sum()
-        / keep.sum(),
+        "there is no smoothing: mix (1 - s) * nll with s * mean(-log p).": nll[keep].mean(),
     }
     for label, scale, options, hint in LABEL_SMOOTHING_CASES:
-        where = name + label
-        actual = call(where, fn, logits * scale, targets, **options)
-        ignore = options.get("ignore_index", -100)
-        expected = F.cross_entropy(
-            (logits * scale).flatten(0, 1),
-            targets.flatten(),
-            label_smoothing=options["smoothing"],
-            ignore_index=ignore,
-        )
+        actual = call(name + label, fn, logits * scale, targets, **options)
+        ignore, smoothing = options.get("ignore_index", -100), options["smoothing"]
+        flat = (logits * scale).flatten(0, 1), targets.flatten()
+        expected = F.cross_entropy(*flat, label_smoothing=smoothing, ignore_index=ignore)
         wrong = {} if label else mistakes
-        expect_close(actual, expected, where, hint, atol=1e-6 * scale, mistakes=wrong)
+        expect_close(actual, expected, name + label, hint, atol=1e-6 * scale, mistakes=wrong)
     passed(name)
 
 
@@ -340,13 +290,13 @@ def check_inverse_sqrt_lr(fn: Callable[..., float]) -> None:
     hint = "n = step + 1; return lr * min(n / warmup_steps, sqrt(warmup_steps / n))."
     for lr, warmup in ((1e-3, 100), (7e-4, 4000)):
         for step in (0, 1, warmup // 2, warmup - 2, warmup - 1, warmup, 3 * warmup, 100 * warmup):
-            where = f"{name}(step={step}, lr={lr}, warmup_steps={warmup})"
+            where, n = f"{name}(step={step}, lr={lr}, warmup_steps={warmup})", step + 1
+            from_zero = lr * min(step / warmup, math.sqrt(warmup / max(step, 1)))
             mistakes = {
-                f"steps count from 0, so use n = step + 1: step 0 needs a positive rate and the "
-                f"peak, lr itself, comes at step {warmup - 1}.": lr
-                * min(step / warmup, math.sqrt(warmup / max(step, 1))),
+                "steps count from 0, so use n = step + 1: step 0 needs a positive rate and the "
+                f"peak comes at step {warmup - 1}.": from_zero,
                 "after warmup the rate falls with the square root of the step, not the step "
-                "itself.": lr * min((step + 1) / warmup, warmup / (step + 1)),
+                "itself.": lr * min(n / warmup, warmup / n),
             }
             actual = call(where, fn, step, lr=lr, warmup_steps=warmup)
             expected = inverse_sqrt_lr(step, lr=lr, warmup_steps=warmup)
@@ -376,8 +326,8 @@ class _Toy(EncoderDecoderTransformer):
 
 
 def _scripted(end: Callable[[int], int]) -> _Toy:
-    """Says 5, 6, 7, ... and the end token 2 as token number `end(first source token)` (on
-    after it, 5, 6, 7, ... again)."""
+    """Says 5, 6, 7, ... with the end token 2 as token number `end(first source token)` (and
+    5, 6, 7, ... again after it)."""
     return _Toy(lambda first, pos, token: {2 if pos + 1 == end(first) else 5 + pos % 10: 1.0})
 
 
@@ -393,13 +343,13 @@ def check_greedy_decode(fn: Callable[..., list[list[int]]]) -> None:
     bos and eos, in eval mode and without gradients."""
     name, src, ids = "greedy_decode", torch.tensor([[3, 4], [5, 0]]), dict(bos_id=1, eos_id=2)
     stops = call(name, fn, _scripted(lambda first: 4), src, **ids, max_new_tokens=10)
-    hint = "append the argmax of the last position's logits each step; a row is done at </s>."
     mistakes = {
         "the start token is in the output: drop the <s> you started with.": [[1, 5, 6, 7]] * 2,
         "the start and end tokens are in the output: drop <s>, cut before </s>.": [[1, 5, 6, 7, 2]]
         * 2,
         "the end token is in the output: cut each row before its </s>.": [[5, 6, 7, 2]] * 2,
     }
+    hint = "append the argmax of the last position's logits each step; a row is done at </s>."
     where = f"{name} (a model that says 5, 6, 7, </s>)"
     expect_close(stops, [[5, 6, 7]] * 2, where, hint, mistakes=mistakes)
     ragged = call(name, fn, _scripted({3: 2, 5: 4}.get), src, **ids, max_new_tokens=10)
@@ -407,9 +357,9 @@ def check_greedy_decode(fn: Callable[..., list[list[int]]]) -> None:
     hint += "and cut each row before its own first </s>."
     expect_close(ragged, [[5], [5, 6, 7]], f"{name} (rows that end at different steps)", hint)
     capped = call(name, fn, _scripted(lambda first: 99), src, **ids, max_new_tokens=5)
-    hint = "generate at most max_new_tokens tokens, counting the </s>."
-    expect_close(capped, [[5, 6, 7, 8, 9]] * 2, f"{name}(..., max_new_tokens=5), no </s>", hint)
-    real_src = torch.randint(3, 20, (4, 6), generator=torch.Generator().manual_seed(3))
+    hint, where = "stop after max_new_tokens tokens, </s> included.", f"{name}(max_new_tokens=5)"
+    expect_close(capped, [[5, 6, 7, 8, 9]] * 2, where, hint)
+    real_src = torch.randint(3, 20, (4, 6), generator=seeded(3))
     real_src[1, 3:] = 0
     for dropout in (0.0, 0.3):
         model = _random_translator(3, dropout)
@@ -423,25 +373,24 @@ def check_greedy_decode(fn: Callable[..., list[list[int]]]) -> None:
 def check_beam_search(fn: Callable[..., list[list[int]]]) -> None:
     """`fn(model, src, *, bos_id, eos_id, max_new_tokens, beam_size)`: the likeliest translation
     among the beams, per row, without bos and eos, in eval mode and without gradients."""
-    name, ids = "beam_search", dict(bos_id=1, eos_id=2)
+    name, ids = "beam_search", dict(bos_id=1, eos_id=2, max_new_tokens=8)
     for dropout in (0.0, 0.3):
         model, src = _random_translator(6, dropout), torch.randint(3, 20, (3, 5))
-        one = expect_evaluating(name, fn, model, src, **ids, max_new_tokens=8, beam_size=1)
+        one = expect_evaluating(name, fn, model, src, **ids, beam_size=1)
         hint = "keep the beam_size best (sequence, total log-probability) pairs at each step."
         where = f"{name} (beam_size=1, dropout={dropout})"
-        expect_close(one, greedy_decode(model, src, **ids, max_new_tokens=8), where, hint)
+        expect_close(one, greedy_decode(model, src, **ids), where, hint)
     trees = {  # by first source token: next-token probabilities by previous token
         3: {1: {5: 0.6, 6: 0.4}, 5: {2: 0.4, 7: 0.3, 8: 0.3}, 6: {2: 0.9, 7: 0.1}},
         4: {1: {5: 0.4, 6: 0.6}, 5: {2: 0.95, 7: 0.05}, 6: {2: 0.4, 7: 0.3, 8: 0.3}},
     }
     tree = _Toy(lambda first, pos, token: trees[first].get(token, {2: 1.0}))
-    src = torch.tensor([[3, 3], [4, 4]])
-    greedy = greedy_decode(tree, src, **ids, max_new_tokens=4)
-    found = call(name, fn, tree, src, **ids, max_new_tokens=4, beam_size=2)
+    src, ids["max_new_tokens"] = torch.tensor([[3, 3], [4, 4]]), 4
+    found = call(name, fn, tree, src, **ids, beam_size=2)
     where = f"{name} (beam_size=2, two rows whose greedy choice is not the likeliest translation)"
-    hint = "score each hypothesis by the sum of its tokens' log-probabilities and keep beam_size "
-    hint += "of them, so a less likely first token can win with a likelier ending."
-    mistakes = {f"these are the greedy translations: {hint}": greedy}
+    greedy = "these are the greedy translations: score each hypothesis by the sum of its tokens' "
+    greedy += "log-probabilities, so a less likely first token can win with a likelier ending."
     hint = "decode each row with its own beams, and return tokens without <s> and </s>."
+    mistakes = {greedy: greedy_decode(tree, src, **ids)}
     expect_close(found, [[6], [5]], where, hint, mistakes=mistakes)
     passed(name)
