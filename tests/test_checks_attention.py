@@ -14,12 +14,12 @@ from transformer_course.attention import (
     attention_scores,
     scaled_dot_product_attention,
 )
-from transformer_course.checks import CheckFailure
 from transformer_course.checks.attention import (
     check_attention_scores,
     check_multi_head_attention,
     check_scaled_dot_product_attention,
 )
+from transformer_course.checks.harness import CheckFailure
 from transformer_course.masking import causal_mask
 
 
@@ -185,6 +185,13 @@ class BuggyMHA(MultiHeadAttention):
         v = self.hook_v(
             _plus(einops.einsum(context, self.W_V, "b p m, h m d -> b p h d"), self.b_V)
         )
+        fused = self.fast_path if self.bug == "" or self.bug == "tl_style" else False
+        if self.bug == "always_fused" or fused:
+            heads = (einops.rearrange(t, "b p h d -> b h p d") for t in (q, k, v))
+            z = F.scaled_dot_product_attention(*heads, attn_mask=mask)
+            z = self.hook_z(einops.rearrange(z, "b h q d -> b q h d"))
+            out = einops.einsum(z, self.W_O, "b q h d, h d m -> b q m")
+            return _plus(out, self.b_O)
         scores = einops.einsum(q, k, "b q h d, b k h d -> b h q k")
         if self.bug != "no_scale":
             scores = scores / math.sqrt(self.d_head)
@@ -210,6 +217,7 @@ class BuggyMHA(MultiHeadAttention):
 
 
 def buggy(bug):
+    """The valid multi-head attention (bug="") honours fast_path; each bug ignores it."""
     return type(f"MHA_{bug or 'ok'}", (BuggyMHA,), {"bug": bug})
 
 
@@ -241,6 +249,26 @@ def test_mha_bugs(bug, word):
     assert word in str(info.value)
     if bug == "inverted":
         assert "dim=-1" not in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("bug", "words"),
+    [
+        ("", []),
+        ("always_fused", ["fast_path=False", "hook_attn_scores", "never received"]),
+        ("ignore_fast_path", ["fast_path=True", "was not called", "hook_pattern are not run"]),
+    ],
+)
+def test_mha_that_ignores_fast_path_is_named(bug, words):
+    """fast_path=True: F.scaled_dot_product_attention and no pattern hooks; fast_path=False:
+    the einsum path through hook_attn_scores and hook_pattern."""
+    if not words:
+        check_multi_head_attention(buggy(bug))
+        return
+    with pytest.raises(CheckFailure) as info:
+        check_multi_head_attention(buggy(bug))
+    for word in words:
+        assert word in str(info.value), str(info.value)
 
 
 def test_mha_that_ignores_bias_false_is_named():

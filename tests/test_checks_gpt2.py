@@ -1,6 +1,6 @@
-"""The chapter-6 checkers: the reference passes, a blank fails with its hint, classic bugs get
-targeted hints (each bug is written out here as a small variant of the reference) and valid
-alternatives pass. (The MLP's and the block's checkers are tested in test_checks_blocks.py.)"""
+"""The chapter-6 checkers (`checks.gpt2`): the reference passes, a blank fails with its hint,
+classic bugs get targeted hints (each bug is written out here as a small variant of the
+reference) and valid alternatives pass."""
 
 from __future__ import annotations
 
@@ -12,18 +12,21 @@ import torch.nn.functional as F
 from torch import nn
 
 from transformer_course.attention import scaled_dot_product_attention
-from transformer_course.checks import CheckFailure
+from transformer_course.blocks import ACTIVATIONS, MLP, TransformerBlock
 from transformer_course.checks.gpt2 import (
     check_embed,
     check_generate,
     check_gpt2_forward,
     check_kv_cache,
+    check_mlp,
     check_pos_embed,
     check_sample_batch,
     check_top_p_filter,
     check_train_step,
+    check_transformer_block,
     check_unembed,
 )
+from transformer_course.checks.harness import CheckFailure
 from transformer_course.gpt2 import (
     GPT2,
     Embed,
@@ -34,7 +37,8 @@ from transformer_course.gpt2 import (
     top_p_filter,
     train_step,
 )
-from transformer_course.masking import causal_mask
+from transformer_course.masking import causal_mask, combine_masks
+from transformer_course.runtime import evaluating
 from transformer_course.training import sample_batch
 
 
@@ -286,10 +290,13 @@ def test_generate_rejects_a_top_k_threshold_taken_from_the_first_row():
 def test_generate_alternatives_pass():
     """Top-k by scattering the kept logits into -inf, and sampling with a Gumbel-max trick."""
 
-    @torch.no_grad()
     def scatter_gumbel(
         model, tokens, max_new_tokens, *, temperature=1.0, top_k=None, top_p=None, generator=None
     ):
+        with evaluating(model):
+            return _gumbel_loop(model, tokens, max_new_tokens, temperature, top_k, top_p, generator)
+
+    def _gumbel_loop(model, tokens, max_new_tokens, temperature, top_k, top_p, generator):
         for _ in range(max_new_tokens):
             logits = model(tokens[:, -model.cfg.n_ctx :])[:, -1]
             if temperature == 0:
@@ -308,6 +315,59 @@ def test_generate_alternatives_pass():
         return tokens
 
     check_generate(scatter_gumbel)
+
+
+def _full_generate(*, order="tkp", evaluate=True, no_grad=True, restore=True):
+    """A complete generate() whose steps run in `order` (t: temperature, k: top_k, p: top_p),
+    with the model in eval mode, gradients off and the model's mode restored, as asked."""
+
+    def sample(
+        model, tokens, max_new_tokens, *, temperature=1.0, top_k=None, top_p=None, generator=None
+    ):
+        was_training = model.training
+        if evaluate:
+            model.eval()
+        with torch.set_grad_enabled(not no_grad):
+            for _ in range(max_new_tokens):
+                logits = model(tokens[:, -model.cfg.n_ctx :])[:, -1].float()
+                if temperature == 0:
+                    next_token = logits.argmax(-1, keepdim=True)
+                else:
+                    for step in order:
+                        if step == "t":
+                            logits = logits / temperature
+                        elif step == "k" and top_k is not None:
+                            kth = logits.topk(top_k, dim=-1).values[:, -1:]
+                            logits = logits.masked_fill(logits < kth, -math.inf)
+                        elif step == "p" and top_p is not None:
+                            logits = top_p_filter(logits, top_p)
+                    next_token = torch.multinomial(logits.softmax(-1), 1, generator=generator)
+                tokens = torch.cat([tokens, next_token], dim=1)
+        if restore:
+            model.train(was_training)
+        return tokens
+
+    return sample
+
+
+def test_generate_written_out_passes():
+    check_generate(_full_generate())
+
+
+@pytest.mark.parametrize(
+    ("knob", "words"),
+    [
+        ({"order": "kpt"}, ["temperature=0.5, top_p=0.6", "divide by the temperature first"]),
+        ({"order": "tpk"}, ["top_k=8, top_p=0.5", "apply top_k before top_p"]),
+        ({"evaluate": False}, ["train mode", "dropout", "evaluating(model)"]),
+        ({"no_grad": False}, ["gradients were tracked", "torch.no_grad()"]),
+        ({"restore": False}, ["left in eval mode", "restore"]),
+    ],
+)
+def test_generate_sampling_order_and_modes_are_named(knob, words):
+    """Top-p before the temperature or before top-k, and a model left in train mode, with
+    gradients on, or not restored to its mode, are each named."""
+    fails(check_generate, _full_generate(**knob), *words)
 
 
 def test_generate_rejects_an_ignored_generator():
@@ -376,7 +436,7 @@ def _step(*, train=True, zero=True, clip=True, item=True):
         if zero:
             optimizer.zero_grad()
         loss.backward()
-        if clip:
+        if clip and grad_clip is not None:
             torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
         optimizer.step()
         return loss.item() if item else loss
@@ -399,6 +459,19 @@ def test_train_step_bugs_are_named(bug, words):
 
 def test_train_step_alternative_passes():
     check_train_step(_step())
+
+
+def test_train_step_that_clips_with_grad_clip_none_is_named():
+    def clips_always(model, optimizer, tokens, targets, *, grad_clip=1.0):
+        model.train()
+        loss = F.cross_entropy(model(tokens).flatten(0, 1), targets.flatten())
+        optimizer.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
+        optimizer.step()
+        return loss.item()
+
+    fails(check_train_step, clips_always, "grad_clip=None", "no clipping")
 
 
 # Batches of a token stream.
@@ -533,3 +606,133 @@ def test_kv_cache_that_returns_the_old_cache_is_caught():
         return logits, longer if cache is None else cache
 
     fails(check_kv_cache, keeps_old, "not appended")
+
+
+# The MLP.
+
+
+def test_mlp_reference_passes(capsys):
+    check_mlp(MLP)
+    assert "passes every check" in capsys.readouterr().out
+
+
+class BlankMLP(MLP):
+    def forward(self, x):
+        raise NotImplementedError("widen, gelu_new, project back")
+
+
+def test_mlp_blank_fails_with_its_hint():
+    fails(check_mlp, BlankMLP, "not implemented", "widen")
+
+
+class ExactGeluMLP(MLP):
+    def forward(self, x):
+        return F.gelu(x @ self.W_in + self.b_in) @ self.W_out + self.b_out
+
+
+class ReluMLP(MLP):
+    def forward(self, x):
+        return F.relu(x @ self.W_in + self.b_in) @ self.W_out + self.b_out
+
+
+def test_mlp_rejects_wrong_activation():
+    fails(check_mlp, ExactGeluMLP, "tanh")
+    fails(check_mlp, ReluMLP, "relu")
+
+
+class FixedGeluMLP(MLP):
+    """Ignores `act_fn`: always gelu_new."""
+
+    def forward(self, x):
+        pre = self.hook_pre(x @ self.W_in + self.b_in)
+        return self.hook_post(F.gelu(pre, approximate="tanh")) @ self.W_out + self.b_out
+
+
+class UnhookedMLP(MLP):
+    def forward(self, x):
+        pre = self.hook_pre(x @ self.W_in + self.b_in)
+        return ACTIVATIONS[self.act_fn](pre) @ self.W_out + self.b_out
+
+
+def test_mlp_rejects_an_ignored_act_fn_and_a_missing_hook():
+    fails(check_mlp, FixedGeluMLP, "act_fn='relu'", "ACTIVATIONS[self.act_fn]")
+    fails(check_mlp, UnhookedMLP, "hook_post", "never received")
+
+
+class EinsumMLP(MLP):
+    """A valid alternative: torch.einsum instead of einops, F.gelu written out."""
+
+    def forward(self, x):
+        pre = self.hook_pre(torch.einsum("bpd,dm->bpm", x, self.W_in) + self.b_in)
+        post = self.hook_post(ACTIVATIONS[self.act_fn](pre))
+        return torch.einsum("bpm,md->bpd", post, self.W_out) + self.b_out
+
+
+def test_mlp_alternative_passes():
+    check_mlp(EinsumMLP)
+
+
+# The transformer block.
+
+
+def block_with(forward):
+    return type("LearnerBlock", (TransformerBlock,), {"forward": forward})
+
+
+def _sublayers(
+    self, resid, mask, *, causal=True, pre_ln=True, keep_stream=True, residual=True, drop=True
+):
+    """A block forward pass with one knob turned wrong at a time."""
+    if causal:
+        mask = combine_masks(causal_mask(resid.shape[1]), mask)
+    dropout = self.dropout if drop else (lambda t: t)
+    resid = self.hook_resid_pre(resid)
+    if pre_ln if self.norm == "pre" else not pre_ln:
+        stream = resid if keep_stream else self.ln1(resid)
+        attn_out = self.hook_attn_out(dropout(self.attn(self.ln1(resid), mask=mask)))
+        resid = self.hook_resid_mid((stream if residual else 0) + attn_out)
+        mlp_out = self.hook_mlp_out(dropout(self.mlp(self.ln2(resid))))
+        return self.hook_resid_post((resid if residual else 0) + mlp_out)
+    attn_out = self.hook_attn_out(dropout(self.attn(resid, mask=mask)))
+    resid = self.hook_resid_mid(self.ln1(resid + attn_out))
+    mlp_out = self.hook_mlp_out(dropout(self.mlp(resid)))
+    return self.hook_resid_post(self.ln2(resid + mlp_out))
+
+
+@pytest.mark.parametrize(
+    ("knob", "words"),
+    [
+        ({"causal": False}, ["causal=True"]),
+        ({"pre_ln": False}, ["this is post-LN"]),
+        ({"keep_stream": False}, ["residual stream itself"]),
+        ({"residual": False}, ["a residual connection is missing"]),
+        ({"drop": False}, ["dropout=0.3", "train mode"]),
+    ],
+)
+def test_transformer_block_bugs_are_named(knob, words):
+    forward = block_with(lambda self, resid, mask=None: _sublayers(self, resid, mask, **knob))
+    fails(check_transformer_block, forward, *words)
+
+
+def test_transformer_block_that_ignores_its_mask_or_hooks_is_caught():
+    forward = block_with(lambda self, resid, mask=None: _sublayers(self, resid, None))
+    fails(check_transformer_block, forward, "a padding mask", "ignored")
+
+    def unhooked(self, resid, mask=None):
+        mask = combine_masks(causal_mask(resid.shape[1]), mask)
+        resid = resid + self.dropout(self.attn(self.ln1(resid), mask=mask))
+        return resid + self.dropout(self.mlp(self.ln2(resid)))
+
+    fails(check_transformer_block, block_with(unhooked), "hook_resid_pre", "never received")
+
+
+def test_transformer_block_reference_explicit_mask_alternative_and_blank():
+    check_transformer_block(TransformerBlock)
+    check_transformer_block(
+        block_with(lambda self, resid, mask=None: _sublayers(self, resid, mask))
+    )
+
+    def blank(self, resid, mask=None):
+        raise NotImplementedError("Exercise 6.5: write TransformerBlock.forward")
+
+    fails(check_transformer_block, block_with(blank), "not implemented", "Exercise 6.5")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from transformer_course.checks import CheckFailure
+from transformer_course.checks.harness import CheckFailure
 from transformer_course.checks.layernorm import check_layernorm, check_rmsnorm
 from transformer_course.layernorm import LayerNorm, RMSNorm
 

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from transformer_course import validate
-from transformer_course.checks import CheckFailure
+from transformer_course.checks.harness import CheckFailure
 from transformer_course.checks.masking import (
     check_causal_mask,
     check_combine_masks,

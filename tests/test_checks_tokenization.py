@@ -6,7 +6,7 @@ import pytest
 import regex
 
 from transformer_course import tokenization
-from transformer_course.checks import CheckFailure
+from transformer_course.checks.harness import CheckFailure
 from transformer_course.checks.tokenization import (
     BPE_TRAINING,
     _rank_order_samples,

@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
 import notebooks  # noqa: E402
 
-from transformer_course.checks import CheckFailure, call, expect  # noqa: E402
+from transformer_course.checks.harness import CheckFailure, call, expect  # noqa: E402
 
 SOURCES = sorted(notebooks.SOURCES.glob("*.py"))
 

@@ -33,7 +33,7 @@ from transformer_lens.HookedRootModule import HookedRootModule
 from transformer_course import validate
 from transformer_course.attention import MultiHeadAttention, set_fast_path
 from transformer_course.blocks import MLP
-from transformer_course.checks.encoder_decoder import (
+from transformer_course.checks.translation import (
     check_beam_search,
     check_encoder_decoder,
     check_greedy_decode,

@@ -37,17 +37,18 @@ from transformer_course.attention import (
     set_fast_path,
 )
 from transformer_course.blocks import ACTIVATIONS, residual_sublayer
-from transformer_course.checks.blocks import check_mlp, check_transformer_block
 from transformer_course.checks.gpt2 import (
     check_against_huggingface,
     check_embed,
     check_generate,
     check_gpt2_forward,
     check_kv_cache,
+    check_mlp,
     check_pos_embed,
     check_sample_batch,
     check_top_p_filter,
     check_train_step,
+    check_transformer_block,
     check_unembed,
 )
 from transformer_course.gpt2 import GPT2Config, KVCache, TiedUnembed

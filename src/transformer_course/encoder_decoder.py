@@ -119,7 +119,7 @@ def sinusoidal_positional_encoding(
     positions down to one every 10000·2π, so nearby positions get similar vectors and
     PE[pos + k] is a fixed rotation of PE[pos].
 
-    Course: chapter 5, exercise 5.1, checked by checks.encoder_decoder.check_positional_encoding.
+    Course: chapter 5, exercise 5.1, checked by checks.translation.check_positional_encoding.
     """
     position = torch.arange(seq_len, dtype=torch.float64, device=device)[:, None]
     two_i = torch.arange(0, d_model, 2, dtype=torch.float64, device=device)
@@ -136,7 +136,7 @@ class TokenEmbedding(nn.Module):
     The scale matters: embeddings are initialised with standard deviation 1/sqrt(d_model), so
     without it the position signal (entries of size ~1) would drown the token's identity.
 
-    Course: chapter 5, exercise 5.2, checked by checks.encoder_decoder.check_token_embedding.
+    Course: chapter 5, exercise 5.2, checked by checks.translation.check_token_embedding.
     """
 
     def __init__(self, d_vocab: int, d_model: int, dropout: float = 0.0):
@@ -160,7 +160,7 @@ class EncoderDecoderTransformer(nn.Module):
     The encoder is a stack of non-causal `TransformerBlock`s; the decoder a stack of causal ones
     with cross-attention to the encoder's output.
 
-    Course: chapter 5, exercise 5.5, checked by checks.encoder_decoder.check_encoder_decoder.
+    Course: chapter 5, exercise 5.5, checked by checks.translation.check_encoder_decoder.
     """
 
     def __init__(self, cfg: Seq2SeqConfig):
@@ -251,7 +251,7 @@ def label_smoothed_cross_entropy(
     2016), so the loss is `(1 - smoothing) * nll + smoothing * mean(-log p)` over the
     vocabulary. Positions whose target is `ignore_index` (padding) do not count.
 
-    Course: chapter 5, exercise 5.6, checked by checks.encoder_decoder.check_label_smoothing.
+    Course: chapter 5, exercise 5.6, checked by checks.translation.check_label_smoothing.
     """
     validate.targets(targets, logits)
     validate.probability("smoothing", smoothing)

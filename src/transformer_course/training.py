@@ -175,7 +175,7 @@ def inverse_sqrt_lr(step: int, *, lr: float, warmup_steps: int) -> float:
     The paper writes it as `d_model**-0.5 * min(n**-0.5, n * warmup**-1.5)` with `n = step + 1`;
     that is this function with `lr = (d_model * warmup_steps) ** -0.5`.
 
-    Course: chapter 5, exercise 5.7, checked by checks.encoder_decoder.check_inverse_sqrt_lr.
+    Course: chapter 5, exercise 5.7, checked by checks.translation.check_inverse_sqrt_lr.
     """
     n = step + 1
     warmup = max(1, warmup_steps)

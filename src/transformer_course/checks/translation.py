@@ -1,0 +1,396 @@
+"""Checkers for chapter 5's workbook (05_translation): positional encoding, the scaled embedding,
+the residual sublayer, the encoder's and decoder's block, the assembled model, label smoothing,
+the learning-rate schedule, greedy decoding and beam search."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from transformer_course.blocks import residual_sublayer
+from transformer_course.checks.harness import (
+    call,
+    expect,
+    expect_block,
+    expect_close,
+    expect_evaluating,
+    expect_same_in_train_mode,
+    load_reference_weights,
+    passed,
+    perturb,
+    randn,
+    seeded,
+)
+from transformer_course.decoding import greedy_decode
+from transformer_course.encoder_decoder import (
+    EncoderDecoderTransformer,
+    Seq2SeqConfig,
+    TokenEmbedding,
+    sinusoidal_positional_encoding,
+)
+from transformer_course.layernorm import LayerNorm
+from transformer_course.masking import padding_mask
+from transformer_course.training import inverse_sqrt_lr
+
+
+def _pe_mistakes(seq_len: int, d_model: int) -> dict[str, Tensor]:
+    """The tables the classic positional-encoding bugs give, keyed by their hint."""
+    position = torch.arange(seq_len, dtype=torch.float64)[:, None]
+    frequency = 10000 ** (torch.arange(0, d_model, 2, dtype=torch.float64) / d_model)
+    per_dim = position / 10000 ** (torch.arange(d_model, dtype=torch.float64) / d_model)
+    pairs = lambda even, odd: torch.stack([even, odd], dim=-1).flatten(-2)
+    sin_cos = lambda angles: pairs(angles.sin(), angles.cos())
+    angles = position / frequency
+    return {
+        "sin and cos are swapped: dims 2i get sin, dims 2i+1 cos.": pairs(
+            angles.cos(), angles.sin()
+        ),
+        "sin and cos should be interleaved (sin in dims 0, 2, ...; cos in dims 1, 3, ...), not "
+        "one half each.": torch.cat([angles.sin(), angles.cos()], dim=-1),
+        "the exponent is 2i/d_model, 2i the even dimension of the pair: dims 2i and 2i+1 share "
+        "one frequency.": pairs(per_dim[:, 0::2].sin(), per_dim[:, 1::2].cos()),
+        "positions start at 0: row 0 is sin(0) = 0, cos(0) = 1.": sin_cos(
+            (position + 1) / frequency
+        ),
+        "divide the position by 10000^(2i/d_model), don't multiply.": sin_cos(position * frequency),
+    }
+
+
+def check_positional_encoding(fn: Callable[[int, int], Tensor]) -> None:
+    """`fn(seq_len, d_model)`: the sinusoidal table of Vaswani et al., (seq_len, d_model)."""
+    name = "sinusoidal_positional_encoding"
+    hint = "PE[pos, 2i] = sin(pos / 10000^(2i/d_model)), PE[pos, 2i+1] = cos(the same angle)."
+    for seq_len, d_model in ((7, 4), (50, 16)):
+        actual, where = call(name, fn, seq_len, d_model), f"{name}({seq_len}, {d_model})"
+        actual = actual.double() if isinstance(actual, Tensor) else actual
+        expected = sinusoidal_positional_encoding(seq_len, d_model, dtype=torch.float64)
+        expect_close(actual, expected, where, hint, mistakes=_pe_mistakes(seq_len, d_model))
+    passed(name)
+
+
+def check_token_embedding(cls: type) -> None:
+    """`cls(d_vocab, d_model, dropout)`: W_E[tokens] * sqrt(d_model) + PE, then dropout."""
+    name, tokens = "TokenEmbedding", torch.tensor([[1, 2, 3, 4, 5], [6, 7, 8, 0, 0]])
+    torch.manual_seed(0)
+    ours, theirs = TokenEmbedding(11, 16).double(), call(name, cls, 11, 16, 0.0).double()
+    load_reference_weights(name, theirs, ours, "W_E, dropout")
+    looked_up, pe = ours.W_E[tokens].detach(), sinusoidal_positional_encoding(5, 16).double()
+    mistakes = {
+        "did you forget the sqrt(d_model) embedding scale? Multiply W_E[tokens] by sqrt(d_model) "
+        "before adding the positional encoding.": looked_up + pe,
+        "the embedding is divided by sqrt(d_model); multiply by it instead.": looked_up / 4 + pe,
+        "scale only the token embedding, not the positional encoding.": (looked_up + pe) * 4,
+        "the positional encoding is missing: add PE[:pos] to the scaled embedding.": looked_up * 4,
+        "scale by sqrt(d_model), not by d_model.": looked_up * 16 + pe,
+    }
+    actual, hint = call(f"{name}.forward", theirs, tokens), "W_E[tokens] * sqrt(d_model) + PE."
+    expect_close(actual, ours(tokens).detach(), name, hint, atol=1e-6, mistakes=mistakes)
+    theirs, ours = call(name, cls, 11, 16, 0.5).double(), TokenEmbedding(11, 16, 0.5).double()
+    theirs.load_state_dict(ours.state_dict())
+    hint = "apply self.dropout once, to the sum of the scaled embedding and the encoding."
+    expect_same_in_train_mode(f"{name}(dropout=0.5)", theirs, ours, tokens, hint=hint)
+    passed(name)
+
+
+def _sublayer_mistakes(resid: Tensor, f: Callable, ln: LayerNorm, norm: str) -> dict:
+    """The outputs of the classic residual-sublayer bugs, keyed by their hint."""
+    normed, of_normed, of_resid = ln(resid), f(ln(resid)), f(resid)
+    if norm == "pre":
+        return {
+            "this is post-LN; with norm='pre' normalise the sublayer's input and leave the stream "
+            "as it is: resid + dropout(sublayer(ln(resid))).": ln(resid + of_resid),
+            "only the sublayer's input is normalised: add its output to resid itself, not to "
+            "ln(resid).": normed + of_normed,
+            "pre-LN normalises the sublayer's input, not its output.": resid + ln(of_resid),
+            "the residual connection is missing: add the sublayer's output to resid.": of_normed,
+            "the layer norm is missing: pre-LN feeds ln(resid) to the sublayer.": resid + of_resid,
+        }
+    return {
+        "this is pre-LN; with norm='post' normalise the sum: ln(resid + dropout(sublayer(resid)))"
+        ".": resid + of_normed,
+        "post-LN normalises the sum, ln(resid + out), not ln(resid) + out: the norm comes after "
+        "the residual add.": normed + of_resid,
+        "post-LN normalises the sum, not the sublayer's output.": resid + ln(of_resid),
+        "with post-LN the sublayer reads resid itself.": ln(resid + of_normed),
+        "the residual connection is missing: normalise resid + out, not out alone.": ln(of_resid),
+        "the layer norm is missing: post-LN returns ln(resid + out).": resid + of_resid,
+    }
+
+
+def check_residual_sublayer(fn: Callable[..., Tensor]) -> None:
+    """`fn(resid, sublayer, ln, *, norm, dropout, hook_out)`: pre-LN
+    `resid + dropout(sublayer(ln(resid)))`, post-LN `ln(resid + dropout(sublayer(resid)))`,
+    with `hook_out` seeing (and able to replace) what is added."""
+    name, resid, weight = "residual_sublayer", 3 * randn(2, 5, 16, seed=7) + 1, randn(16, 16) / 4
+    ln, f = perturb(LayerNorm(16).double(), seed=7), lambda x: 2 * torch.tanh(x @ weight)
+
+    def run(fn: Callable, norm: str, dropout: Callable = lambda t: t, replace=None):
+        seen: list[Tensor] = []
+
+        def hook_out(t: Tensor) -> Tensor:
+            seen.append(t.detach())
+            return t if replace is None else replace
+
+        torch.manual_seed(1234)
+        with torch.no_grad():
+            return call(name, fn, resid, f, ln, norm=norm, dropout=dropout, hook_out=hook_out), seen
+
+    for norm in ("pre", "post"):
+        where, mistakes = f"{name}(norm={norm!r})", _sublayer_mistakes(resid, f, ln, norm)
+        (actual, seen), (expected, wanted) = run(fn, norm), run(residual_sublayer, norm)
+        form = "resid + out" if norm == "pre" else "ln(resid + out)"
+        hint = f"with out = dropout(sublayer(...)), return {form}."
+        expect_close(actual, expected, where, hint, atol=1e-8, mistakes=mistakes)
+        hint = "pass what the sublayer adds to the stream (after dropout) through hook_out, once."
+        once = len(seen) == 1 and torch.allclose(seen[0], wanted[0])
+        problem = f"called {len(seen)} times, or with another tensor."
+        expect(once, f"{where}, hook_out", problem, hint)
+        patched = run(fn, norm, replace=torch.zeros_like(resid))[0]
+        hint = "add what hook_out returns (a hook may replace the tensor), not what you passed it."
+        zero = resid if norm == "pre" else ln(resid).detach()
+        expect_close(patched, zero, f"{where}, a patching hook", hint, atol=1e-8)
+        dropout, where = torch.nn.Dropout(0.5).train(), f"{where}, dropout=0.5 in train mode"
+        actual, seen = run(fn, norm, dropout)
+        expected, wanted = run(residual_sublayer, norm, dropout)
+        hint = "apply dropout once, to the sublayer's output, before hook_out and the residual add."
+        expect_close(actual, expected, where, hint, atol=1e-8)
+        after = len(seen) == 1 and torch.allclose(seen[0], wanted[0])
+        hint = "hook_out gets what is added to the stream: the output after dropout."
+        expect(after, f"{where}, hook_out", "received the sublayer's output before dropout.", hint)
+    passed(name)
+
+
+def check_seq2seq_block(cls: type) -> None:
+    """`cls(d_model, n_heads, d_head, d_mlp, *, norm, act_fn, dropout, causal, cross_attention)`:
+    the encoder's block (self-attention over the whole source) and the decoder's (causal
+    self-attention, cross-attention to `context`), each sublayer a `residual_sublayer`."""
+    x, context = randn(2, 5, 16, seed=3), randn(2, 4, 16, seed=4)
+    mask = padding_mask(torch.tensor([[3, 4, 5, 6, 7], [3, 4, 5, 0, 0]]), 0)
+    context_mask = padding_mask(torch.tensor([[3, 4, 5, 6], [3, 4, 0, 0]]), 0)
+    hint = "self-attention (causal=self.causal, mask=mask), with self.cross_attention then the "
+    hint += "cross-attention to context, then the MLP: each a residual_sublayer."
+    crash = "the stream has 5 positions and the context 4. Queries come from the stream; keys, "
+    crash += "values and context_mask from the context: self.cross_attn(x, context, mask=...)."
+    encoder = [("a padding mask", (x, mask), {}), ("mask left at its default", (x,), {})]
+    decoder = [("padding masks", (x, mask, context, context_mask), {})]
+    decoder.append(("mask and context_mask left at their default", (x,), {"context": context}))
+    for decoder_block, cases in ((False, encoder), (True, decoder)):
+        for norm in ("post", "pre"):
+            settings = dict(norm=norm, act_fn="relu", causal=decoder_block)
+            settings["cross_attention"] = decoder_block
+            where = f"TransformerBlock({', '.join(f'{k}={v!r}' for k, v in settings.items())})"
+            expect_block(where, cls, settings, cases, hint=hint, crash=crash * decoder_block)
+    passed("TransformerBlock")
+
+
+def _decode_mistakes(model, tgt: Tensor, memory: Tensor, src_mask: Tensor) -> dict[str, Tensor]:
+    """The reference's decode with one classic mistake each, keyed by its hint."""
+
+    def decode(tgt_mask: Tensor | None, context_mask: Tensor | None, final_norm: bool = True):
+        x = model.tgt_embed(tgt)
+        for block in model.decoder:
+            x = block(x, tgt_mask, context=memory, context_mask=context_mask)
+        x = model.ln_dec(x) if model.cfg.norm == "pre" and final_norm else x
+        return x @ (model.tgt_embed.W_E.T if model.cfg.tie_embeddings else model.W_U) + model.b_U
+
+    tgt_mask = padding_mask(tgt, model.cfg.pad_id)
+    return {
+        "the target's padding is visible: give every decoder block padding_mask(tgt, pad_id) as "
+        "its mask (the blocks are causal themselves).": decode(None, src_mask),
+        "the source padding is visible: give each decoder block context_mask=src_mask.": (
+            decode(tgt_mask, None)
+        ),
+        "with pre-LN the stream is never normalised inside the blocks: end the decoder with "
+        "self.ln_dec.": decode(tgt_mask, src_mask, final_norm=False),
+    }
+
+
+def check_encoder_decoder(cls: type) -> None:
+    """`cls(cfg).encode(src)` and `.decode(tgt, memory, src_mask)` against the reference, with
+    post-LN and pre-LN, tied and untied embeddings, padded sources and targets."""
+    name, parts = "EncoderDecoderTransformer", "src_embed, tgt_embed, encoder, decoder, ln_enc"
+    src = torch.tensor([[3, 4, 5, 6, 2], [7, 8, 2, 0, 0]])
+    tgt = torch.tensor([[1, 9, 10, 11], [1, 12, 0, 0]])
+    sizes = dict(src_vocab=13, tgt_vocab=13, d_model=16, n_heads=4, n_layers=2, d_mlp=32, n_ctx=12)
+    for norm, tie in (("post", True), ("pre", False)):
+        cfg = Seq2SeqConfig(**sizes, norm=norm, share_embeddings=tie, tie_embeddings=tie)
+        where = f"{name} (norm={norm!r}, tied embeddings={tie})"
+        torch.manual_seed(4)
+        ours = perturb(EncoderDecoderTransformer(cfg).double(), seed=5).eval()
+        theirs = call(name, cls, cfg).double()
+        load_reference_weights(where, theirs, ours, parts + ", ln_dec, W_U, b_U")
+        with torch.no_grad():
+            memory, expected = call(f"{name}.encode", theirs.eval().encode, src), ours.encode(src)
+            unnormed = ours.src_embed(src)
+            for block in ours.encoder:
+                unnormed = block(unnormed, ours.src_mask(src))
+            ln_enc = "pre-LN never normalises the stream inside the blocks: end with self.ln_enc."
+            mistakes = {ln_enc: unnormed} if norm == "pre" else {}
+            hint = "embed, every encoder block with the source padding mask, then (pre-LN) ln_enc."
+            expect_close(memory, expected, f"{where}, encode", hint, atol=1e-6, mistakes=mistakes)
+            src_mask = ours.src_mask(src)
+            logits = call(f"{name}.decode", theirs.decode, tgt, expected, src_mask)
+            mistakes = _decode_mistakes(ours, tgt, expected, src_mask)
+            wanted = ours.decode(tgt, expected, src_mask)
+            hint = "embed the target; each decoder block gets the target padding mask, "
+            hint += "context=memory, context_mask=src_mask; (pre-LN) ln_dec; then x @ W_U + b_U."
+            expect_close(logits, wanted, f"{where}, decode", hint, atol=1e-6, mistakes=mistakes)
+    passed(name)
+
+
+LABEL_SMOOTHING_CASES = [  # label, logits scale, options, hint
+    ("", 1, dict(smoothing=0.2, ignore_index=0), "(1 - s) * nll + s * mean(-log p)."),
+    (" (ignore_index left at its default, None)", 1, dict(smoothing=0.2), "every position counts."),
+    (" (smoothing=0)", 1, dict(smoothing=0.0, ignore_index=0), "this is the plain cross-entropy."),
+    (
+        " (confident logits, scaled by 1000)",
+        1000,
+        dict(smoothing=0.2, ignore_index=0),
+        "softmax(...).log() underflows to log(0) = -inf for unlikely tokens: use log_softmax.",
+    ),
+]
+
+
+def check_label_smoothing(fn: Callable[..., Tensor]) -> None:
+    """`fn(logits, targets, smoothing=, ignore_index=)` must equal
+    `F.cross_entropy(..., label_smoothing=)`, for every combination of the options."""
+    name, logits = "label_smoothed_cross_entropy", randn(3, 6, 9, seed=2)
+    targets = torch.randint(1, 9, (3, 6), generator=seeded(2))
+    targets[0, 3:] = 0
+    log_probs, keep = logits.log_softmax(-1), targets != 0
+    nll = -log_probs.gather(-1, targets[..., None]).squeeze(-1)
+    others = (-log_probs.sum(-1) - nll) / 8
+    smoothed = 0.8 * nll + 0.2 * -log_probs.mean(-1)
+    mistakes = {
+        "the smoothing mass is spread over all vocab tokens, the right one included: the target "
+        "is (1 - s) * one_hot + s / vocab.": (0.8 * nll + 0.2 * others)[keep].mean(),
+        "padding positions count: ignore positions whose target is ignore_index, and average over "
+        "the others only.": smoothed.mean(),
+        "the padding positions are zeroed but still counted in the average: divide by the number "
+        "of real tokens.": (smoothed * keep).sum() / keep.numel(),
+        "there is no smoothing: mix (1 - s) * nll with s * mean(-log p).": nll[keep].mean(),
+    }
+    for label, scale, options, hint in LABEL_SMOOTHING_CASES:
+        actual = call(name + label, fn, logits * scale, targets, **options)
+        ignore, smoothing = options.get("ignore_index", -100), options["smoothing"]
+        flat = (logits * scale).flatten(0, 1), targets.flatten()
+        expected = F.cross_entropy(*flat, label_smoothing=smoothing, ignore_index=ignore)
+        wrong = {} if label else mistakes
+        expect_close(actual, expected, name + label, hint, atol=1e-6 * scale, mistakes=wrong)
+    passed(name)
+
+
+def check_inverse_sqrt_lr(fn: Callable[..., float]) -> None:
+    """`fn(step, *, lr, warmup_steps)`: linear warmup to `lr`, then `lr * sqrt(warmup / n)`."""
+    name = "inverse_sqrt_lr"
+    hint = "n = step + 1; return lr * min(n / warmup_steps, sqrt(warmup_steps / n))."
+    for lr, warmup in ((1e-3, 100), (7e-4, 4000)):
+        for step in (0, 1, warmup // 2, warmup - 2, warmup - 1, warmup, 3 * warmup, 100 * warmup):
+            where, n = f"{name}(step={step}, lr={lr}, warmup_steps={warmup})", step + 1
+            from_zero = lr * min(step / warmup, math.sqrt(warmup / max(step, 1)))
+            mistakes = {
+                "steps count from 0, so use n = step + 1: step 0 needs a positive rate and the "
+                f"peak comes at step {warmup - 1}.": from_zero,
+                "after warmup the rate falls with the square root of the step, not the step "
+                "itself.": lr * min(n / warmup, warmup / n),
+            }
+            actual = call(where, fn, step, lr=lr, warmup_steps=warmup)
+            expected = inverse_sqrt_lr(step, lr=lr, warmup_steps=warmup)
+            expect_close(actual, expected, where, hint, mistakes=mistakes)
+    passed(name)
+
+
+class _Toy(EncoderDecoderTransformer):
+    """A translator whose next-token probabilities are `rule(first source token, position,
+    previous token)`, a dict {token: probability}."""
+
+    def __init__(self, rule: Callable[[int, int, int], dict[int, float]]):
+        sizes = dict(src_vocab=20, tgt_vocab=20, d_model=8, n_heads=2, n_layers=1, d_mlp=8)
+        super().__init__(Seq2SeqConfig(**sizes, dropout=0.0, n_ctx=16))
+        self.rule = rule
+
+    def encode(self, src: Tensor) -> Tensor:
+        return src[..., None].double().expand(*src.shape, self.cfg.d_model)
+
+    def decode(self, tgt: Tensor, memory: Tensor, src_mask: Tensor | None) -> Tensor:
+        logits = torch.full((*tgt.shape, self.cfg.tgt_vocab), -30.0)
+        for row, first in enumerate(memory[:, 0, 0].long().tolist()):
+            for pos, token in enumerate(tgt[row].tolist()):
+                for nxt, p in self.rule(first, pos, token).items():
+                    logits[row, pos, nxt] = math.log(p)
+        return logits
+
+
+def _scripted(end: Callable[[int], int]) -> _Toy:
+    """Says 5, 6, 7, ... with the end token 2 as token number `end(first source token)` (and
+    5, 6, 7, ... again after it)."""
+    return _Toy(lambda first, pos, token: {2 if pos + 1 == end(first) else 5 + pos % 10: 1.0})
+
+
+def _random_translator(seed: int, dropout: float = 0.0) -> EncoderDecoderTransformer:
+    """A tiny untrained translator (vocabulary 20, ids 0-2 special) to decode with."""
+    torch.manual_seed(seed)
+    sizes = dict(src_vocab=20, tgt_vocab=20, d_model=16, n_heads=2, n_layers=1, d_mlp=16)
+    return EncoderDecoderTransformer(Seq2SeqConfig(**sizes, dropout=dropout, n_ctx=16)).eval()
+
+
+def check_greedy_decode(fn: Callable[..., list[list[int]]]) -> None:
+    """`fn(model, src, bos_id=, eos_id=, max_new_tokens=)`: the greedy tokens of each row, without
+    bos and eos, in eval mode and without gradients."""
+    name, src, ids = "greedy_decode", torch.tensor([[3, 4], [5, 0]]), dict(bos_id=1, eos_id=2)
+    stops = call(name, fn, _scripted(lambda first: 4), src, **ids, max_new_tokens=10)
+    mistakes = {
+        "the start token is in the output: drop the <s> you started with.": [[1, 5, 6, 7]] * 2,
+        "the start and end tokens are in the output: drop <s>, cut before </s>.": [[1, 5, 6, 7, 2]]
+        * 2,
+        "the end token is in the output: cut each row before its </s>.": [[5, 6, 7, 2]] * 2,
+    }
+    hint = "append the argmax of the last position's logits each step; a row is done at </s>."
+    where = f"{name} (a model that says 5, 6, 7, </s>)"
+    expect_close(stops, [[5, 6, 7]] * 2, where, hint, mistakes=mistakes)
+    ragged = call(name, fn, _scripted({3: 2, 5: 4}.get), src, **ids, max_new_tokens=10)
+    hint = "keep decoding until every row has produced </s> (a finished row only gets padding), "
+    hint += "and cut each row before its own first </s>."
+    expect_close(ragged, [[5], [5, 6, 7]], f"{name} (rows that end at different steps)", hint)
+    capped = call(name, fn, _scripted(lambda first: 99), src, **ids, max_new_tokens=5)
+    hint, where = "stop after max_new_tokens tokens, </s> included.", f"{name}(max_new_tokens=5)"
+    expect_close(capped, [[5, 6, 7, 8, 9]] * 2, where, hint)
+    real_src = torch.randint(3, 20, (4, 6), generator=seeded(3))
+    real_src[1, 3:] = 0
+    for dropout in (0.0, 0.3):
+        model = _random_translator(3, dropout)
+        expected = greedy_decode(model, real_src, **ids, max_new_tokens=8)
+        actual = expect_evaluating(name, fn, model, real_src, **ids, max_new_tokens=8)
+        hint = "encode once, then repeatedly decode the tokens so far and append the argmax."
+        expect_close(actual, expected, f"{name} (a random model, dropout={dropout})", hint)
+    passed(name)
+
+
+def check_beam_search(fn: Callable[..., list[list[int]]]) -> None:
+    """`fn(model, src, *, bos_id, eos_id, max_new_tokens, beam_size)`: the likeliest translation
+    among the beams, per row, without bos and eos, in eval mode and without gradients."""
+    name, ids = "beam_search", dict(bos_id=1, eos_id=2, max_new_tokens=8)
+    for dropout in (0.0, 0.3):
+        model, src = _random_translator(6, dropout), torch.randint(3, 20, (3, 5))
+        one = expect_evaluating(name, fn, model, src, **ids, beam_size=1)
+        hint = "keep the beam_size best (sequence, total log-probability) pairs at each step."
+        where = f"{name} (beam_size=1, dropout={dropout})"
+        expect_close(one, greedy_decode(model, src, **ids), where, hint)
+    trees = {  # by first source token: next-token probabilities by previous token
+        3: {1: {5: 0.6, 6: 0.4}, 5: {2: 0.4, 7: 0.3, 8: 0.3}, 6: {2: 0.9, 7: 0.1}},
+        4: {1: {5: 0.4, 6: 0.6}, 5: {2: 0.95, 7: 0.05}, 6: {2: 0.4, 7: 0.3, 8: 0.3}},
+    }
+    tree = _Toy(lambda first, pos, token: trees[first].get(token, {2: 1.0}))
+    src, ids["max_new_tokens"] = torch.tensor([[3, 3], [4, 4]]), 4
+    found = call(name, fn, tree, src, **ids, beam_size=2)
+    where = f"{name} (beam_size=2, two rows whose greedy choice is not the likeliest translation)"
+    greedy = "these are the greedy translations: score each hypothesis by the sum of its tokens' "
+    greedy += "log-probabilities, so a less likely first token can win with a likelier ending."
+    hint = "decode each row with its own beams, and return tokens without <s> and </s>."
+    mistakes = {greedy: greedy_decode(tree, src, **ids)}
+    expect_close(found, [[6], [5]], where, hint, mistakes=mistakes)
+    passed(name)
