@@ -53,15 +53,17 @@ def pytest_configure(config):
 
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config, log):
-    """Under `pytest -n N`, hand out whole files, and keep the book pages and the book build that
-    reuses their outputs on one worker, in order."""
+    """Under `pytest -n N`, hand out whole files, and keep together on one worker, in order:
+    the book pages and the book build that reuses their outputs; the solutions workbooks, each
+    of which loads the parts the earlier ones saved (`parts.keep`, `parts.load_parts`)."""
     from xdist.scheduler import LoadScopeScheduling
 
     class BookTogether(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
             path = nodeid.split("::", 1)[0]
-            is_book = path.startswith(f"{BOOK_DIR.name}/") or Path(path).name in BOOK_TESTS
-            return "book" if is_book else path
+            if path.startswith(f"{BOOK_DIR.name}/") or Path(path).name in BOOK_TESTS:
+                return "book"
+            return "solutions" if path.startswith("solutions/") else path
 
     return BookTogether(config, log)
 

@@ -245,8 +245,11 @@ def blanked_names(cell: SourceCell) -> list[str]:
 def exercise_label(cell: SourceCell, number: str) -> str:
     """What a blank says: the exercise and what to write, never how."""
     owner = cell.target.rpartition(":")[2]
-    parts = [f"{owner}.{name}" if cell.blank else owner for name in blanked_names(cell)]
-    return f"Exercise {number}: write {' and '.join(parts)} (hints below the cell)"
+    if not cell.blank:
+        return f"Exercise {number}: write {owner} (hints below the cell)"
+    names = [f"{owner}.{name}" if len(cell.blank) == 1 else name for name in cell.blank]
+    where = "" if len(cell.blank) == 1 else f" of {owner}"
+    return f"Exercise {number}: write {', '.join(names)}{where} (hints below the cell)"
 
 
 def exercise_code(cell: SourceCell, number: str, *, solution: bool) -> str:

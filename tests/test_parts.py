@@ -9,8 +9,8 @@ import linecache
 import pytest
 import torch
 
-from transformer_course import attention, masking, parts
-from transformer_course.parts import keep, load_parts, parts_of
+from transformer_course import attention, layernorm, masking, parts
+from transformer_course.parts import keep, load_parts, parts_of, whose_parts
 
 
 def define(source: str, cell: str = "<cell-1>") -> dict:
@@ -100,3 +100,17 @@ def test_the_folder_comes_from_the_environment(tmp_path, monkeypatch):
     monkeypatch.setenv(parts.FOLDER_ENV, str(tmp_path / "mine"))
     path = keep(define(course_cell(attention.causal_mask), "<env>")["causal_mask"])
     assert path == tmp_path / "mine" / "chapter_3.py"
+
+
+def test_whose_parts_names_each_part_of_the_chapters_so_far(tmp_path, capsys):
+    keep(define(course_cell(attention.causal_mask), "<w>")["causal_mask"], folder=tmp_path)
+    namespace: dict = {}
+    load_parts(namespace, chapter=4, folder=tmp_path)
+    namespace["LayerNorm"] = define(course_cell(layernorm.LayerNorm), "<ln>")["LayerNorm"]
+    whose = whose_parts(namespace, chapter=4)
+    assert whose["causal_mask"] == "yours" and whose["LayerNorm"] == "yours"
+    assert whose["padding_mask"] == "the course's" and whose["RMSNorm"] == "the course's"
+    assert set(whose) == {part.name for part in parts_of() if part.chapter <= 4}
+    assert f"2 of {len(whose)} parts are yours" in capsys.readouterr().out
+    del namespace["RMSNorm"]
+    assert whose_parts(namespace, chapter=4)["RMSNorm"] == "the course's"  # missing: not yours

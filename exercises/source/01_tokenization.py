@@ -42,6 +42,7 @@ from transformer_course.checks.tokenization import (
 )
 from transformer_course.data import fetch, load_text
 from transformer_course.files import atomic_write
+from transformer_course.parts import keep
 from transformer_course.runtime import by_profile, describe_run, seed_everything
 from transformer_course.tokenization import (  # what BPETokenizer uses besides your functions
     CACHE_SIZE,
@@ -52,6 +53,7 @@ from transformer_course.tokenization import (  # what BPETokenizer uses besides 
     _Memo,
     _special_pattern,
     _token_ids_by_bytes,
+    count_chunks,
     encode_long_chunk,
     load_gpt2_tokenizer,
     split_chunks,
@@ -76,6 +78,7 @@ print(describe_run())
 
 # %% [check]
 check_char_tokenizer(CharTokenizer)
+keep(CharTokenizer)
 chars = CharTokenizer(load_text("tinyshakespeare"))
 ids = chars.encode("To be")
 print(f"{chars.vocab_size} characters; 'To be' -> {ids} -> {chars.decode(ids)!r}")
@@ -95,6 +98,7 @@ print(f"{chars.vocab_size} characters; 'To be' -> {ids} -> {chars.decode(ids)!r}
 
 # %% [check]
 check_get_pair_counts(get_pair_counts)
+keep(get_pair_counts)
 
 # %% [markdown]
 # ## Exercise 1.3: `merge_pair`
@@ -111,6 +115,7 @@ check_get_pair_counts(get_pair_counts)
 
 # %% [check]
 check_merge_pair(merge_pair)
+keep(merge_pair)
 
 # %% [markdown]
 # ## Exercise 1.4: `train_merges`
@@ -132,6 +137,7 @@ check_merge_pair(merge_pair)
 
 # %% [check]
 check_train_merges(train_merges)
+keep(train_merges)
 
 # %% [markdown]
 # On the worked example of the book, three merges turn `aaabdaaabac` into five tokens:
@@ -150,6 +156,9 @@ print(merges)
 # `merge_pair` is fine; the reference updates only the two pairs beside each merge.)
 
 # %% [exercise] transformer_course.tokenization:encode_chunk difficulty=3 importance=5 minutes=20
+# docstring: Apply learned merges to one chunk's `ids` and return the new ids: always the
+#   pair learned first (lowest `ranks[pair]`), leftmost first, until no neighbouring pair was
+#   ever learned. `merges[pair]` is the id that merging `pair` creates.
 # hint: The order that matters is the order merges were learned (`ranks`), not the order of pairs in
 #   the text.
 # hint: Loop: among the neighbouring pairs of the current ids, find the one with the lowest rank; if
@@ -157,6 +166,7 @@ print(merges)
 
 # %% [check]
 check_encode_chunk(encode_chunk)
+keep(encode_chunk)
 
 # %% [markdown]
 # ## Exercise 1.6: `decode_ids`
@@ -173,6 +183,7 @@ check_encode_chunk(encode_chunk)
 
 # %% [check]
 check_decode_ids(decode_ids)
+keep(decode_ids)
 
 # %% [markdown]
 # ## Exercise 1.7: `BPETokenizer.encode`
@@ -202,6 +213,7 @@ check_decode_ids(decode_ids)
 
 # %% [check]
 check_bpe_encode(BPETokenizer)
+keep(BPETokenizer)
 
 # %% [markdown]
 # ## Putting it together

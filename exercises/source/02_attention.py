@@ -36,6 +36,7 @@ from transformer_lens.HookedRootModule import HookedRootModule
 from transformer_course import validate
 from transformer_course.attention import (
     LayerCache,
+    Mask,
     causal_mask,
     fill_masked,
     masked_softmax,
@@ -46,6 +47,7 @@ from transformer_course.checks.attention import (
     check_multi_head_attention,
     check_scaled_dot_product_attention,
 )
+from transformer_course.parts import keep
 from transformer_course.runtime import describe_run, seed_everything, upcast
 
 seed_everything(0)
@@ -68,6 +70,7 @@ print(describe_run())
 
 # %% [check]
 check_attention_scores(attention_scores)
+keep(attention_scores)
 
 # %% [markdown]
 # ## Exercise 2.2: `scaled_dot_product_attention`
@@ -87,6 +90,7 @@ check_attention_scores(attention_scores)
 
 # %% [check]
 check_scaled_dot_product_attention(scaled_dot_product_attention)
+keep(scaled_dot_product_attention)
 
 # %% [markdown]
 # Your function agrees with PyTorch's fused kernel, which never materialises the pattern:
@@ -115,36 +119,39 @@ print(
 #
 # * `reset_parameters`: GPT-2's initialisation, weights from $\mathcal{N}(0, 0.02^2)$ and biases
 #   **zero**.
-# * `forward`: project `x` to queries and `context` (default `x`) to keys and values, one einsum
-#   each: `"batch pos d_model, head d_model d_head -> batch pos head d_head"`, plus the bias.
-#   Pass each through its hook point (`self.hook_q(q)`, ...). Move the head axis before the
-#   positions, `"batch pos head d_head -> batch head pos d_head"`, so the attention of
-#   exercise 2 runs on every head at once. Compute the scores, fill the forbidden ones
-#   (`fill_masked`) and pass them through `hook_attn_scores`; take the softmax over keys with
-#   the forbidden weights set to zero (`masked_softmax(scores, mask)` does both) and pass the
-#   pattern through `hook_pattern`; pass `z = pattern @ v`, back in
-#   `(batch, q_pos, head, d_head)`, through `hook_z`. Finally project
-#   every head back with `W_O` and sum over heads (one einsum), and add `b_O`. When
-#   `self.fast_path` is set, replace the scores-pattern-z steps with one call to
-#   `F.scaled_dot_product_attention(q, k, v, attn_mask=mask)`.
-# * `causal=True` hides the keys after each query: AND `causal_mask(q_pos, k_pos)` into `mask`
-#   (chapter 6's GPT-2 calls its attention this way).
+# * `forward`: project `x` to queries and `context` (default `x`) to keys and values, every
+#   head at once, and pass each through its hook point. Then run exercise 2.2's attention on
+#   every head at once, its scores (with the forbidden ones filled) through `hook_attn_scores`,
+#   its pattern through `hook_pattern` and each head's output through `hook_z`, and finally
+#   project every head back to `d_model` with `W_O`, summing over heads, plus `b_O`. The
+#   shape comments in `__init__` give each hook's layout. Two helpers are yours to write
+#   and use: `_project` (the three projections) and `_attend` (the attention itself). Two
+#   are given: `_mask` (the mask to apply, causal part included) and `_attend_fused`, which
+#   replaces `_attend` with PyTorch's fused kernel when `self.fast_path` is set.
+# * `causal=True` hides the keys after each query, on top of `mask` (chapter 6's GPT-2 calls
+#   its attention this way).
+# * `cache` is for chapter 6's KV cache: when one is given, its `extend` method takes this
+#   call's keys and values (heads before positions) and returns all the keys and values so
+#   far, which the queries then attend to.
 #
 # The check compares every hook point with the reference, so when something is off it tells
 # you the first step that differs.
 
-# %% [exercise] transformer_course.attention:MultiHeadAttention blank=reset_parameters,forward difficulty=4 importance=5 minutes=40
+# %% [exercise] transformer_course.attention:MultiHeadAttention blank=reset_parameters,forward,_project,_attend difficulty=4 importance=5 minutes=40
 # hint: `reset_parameters`: weights drawn from a normal with std 0.02, biases zero (a layer built
 #   with `bias=False` has no biases to reset).
-# hint: `forward`: project queries from `x`, keys and values from `context` (default `x`) with one
-#   einsum per projection, `"batch pos d_model, head d_model d_head -> batch pos head d_head"`,
-#   plus the bias; pass each through its hook.
-# hint: Put the head axis before the positions, run the attention of exercise 2.2 on every head
-#   through the hooks for scores, pattern and z, then contract `head` and `d_head` with `W_O` in
-#   one einsum and add `b_O`.
+# hint: `forward`: each projection is one einsum over `d_model` that keeps `head` and `d_head`,
+#   plus the bias; the head axis then moves before the positions so heads act as a batch.
+# hint: Scores: `fill_masked` on exercise 2.1's scores; pattern: `masked_softmax` (chapter 3)
+#   or a softmax whose forbidden weights are set to zero; for `causal`, AND `causal_mask(q_pos,
+#   k_pos)` into the mask.
+# hint: `"batch pos d_model, head d_model d_head -> batch pos head d_head"` projects; after
+#   attention, `"batch q_pos head d_head, head d_head d_model -> batch q_pos d_model"` with
+#   `W_O` projects back and sums the heads.
 
 # %% [check]
 check_multi_head_attention(MultiHeadAttention)
+keep(MultiHeadAttention)
 
 # %% [markdown]
 # With a causal mask, `run_with_cache` shows each head's pattern: a lower triangle whose rows

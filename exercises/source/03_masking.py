@@ -24,7 +24,7 @@ from jaxtyping import Bool, Float, Int
 from torch import Tensor
 
 from transformer_course import validate
-from transformer_course.attention import MultiHeadAttention, attention_scores
+from transformer_course.attention import Mask, MultiHeadAttention, attention_scores
 from transformer_course.checks.masking import (
     check_causal_mask,
     check_combine_masks,
@@ -32,6 +32,7 @@ from transformer_course.checks.masking import (
     check_padding_mask,
 )
 from transformer_course.masking import fill_masked
+from transformer_course.parts import keep
 from transformer_course.runtime import describe_run, seed_everything, upcast
 
 seed_everything(0)
@@ -54,6 +55,7 @@ print(describe_run())
 
 # %% [check]
 check_causal_mask(causal_mask)
+keep(causal_mask)
 
 # %% [markdown]
 # ## Exercise 3.2: `padding_mask`
@@ -70,6 +72,7 @@ check_causal_mask(causal_mask)
 
 # %% [check]
 check_padding_mask(padding_mask)
+keep(padding_mask)
 
 # %% [markdown]
 # ## Exercise 3.3: `combine_masks`
@@ -93,6 +96,7 @@ check_padding_mask(padding_mask)
 
 # %% [check]
 check_combine_masks(combine_masks)
+keep(combine_masks)
 
 # %% [markdown]
 # Combined, the two masks give each sequence of a batch its own lower triangle without the
@@ -127,6 +131,7 @@ print(combine_masks(causal_mask(5), padding_mask(tokens, pad_id=0)).int())
 
 # %% [check]
 check_masked_softmax(masked_softmax)
+keep(masked_softmax)
 
 # %% [markdown]
 # The naive version and yours on a row with no allowed key, in float16:

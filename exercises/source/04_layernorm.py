@@ -31,6 +31,7 @@ from transformer_course import validate
 from transformer_course.attention import MultiHeadAttention
 from transformer_course.checks.layernorm import check_layernorm, check_rmsnorm
 from transformer_course.data import load_text
+from transformer_course.parts import keep
 from transformer_course.runtime import describe_run, seed_everything, upcast
 
 seed_everything(0)
@@ -60,6 +61,7 @@ print(describe_run())
 
 # %% [check]
 check_layernorm(LayerNorm)
+keep(LayerNorm)
 
 # %% [markdown]
 # Each normalised vector has mean 0 and standard deviation 1 before the learned scale and shift,
@@ -91,6 +93,7 @@ print("same as nn.LayerNorm:", torch.allclose(y, nn.LayerNorm(8)(x), atol=1e-6))
 
 # %% [check]
 check_rmsnorm(RMSNorm)
+keep(RMSNorm)
 
 # %% [markdown]
 # ## Your LayerNorm, before or after the residual addition

@@ -5,18 +5,23 @@
 #
 # 1. the sinusoidal positional encoding;
 # 2. the token embedding, scaled by $\sqrt{d_\text{model}}$, plus the positions;
-# 3. the residual sublayer, pre-LN and post-LN: the norm_and_dropout around every attention and MLP;
-# 4. one block for both stacks: self-attention (causal in the decoder), cross-attention to the
+# 3. the position-wise MLP;
+# 4. the residual sublayer, pre-LN and post-LN: the norm and dropout around every attention and
+#    MLP;
+# 5. one block for both stacks: self-attention (causal in the decoder), cross-attention to the
 #    source (in the decoder), then the MLP;
-# 5. the model that assembles your embedding and blocks into an encoder and a decoder;
-# 6. the label-smoothed cross-entropy loss;
-# 7. the paper's learning-rate schedule;
-# 8. greedy decoding, and 9. beam search.
+# 6. the model that assembles your embedding and blocks into an encoder and a decoder;
+# 7. the label-smoothed cross-entropy loss;
+# 8. the paper's learning-rate schedule;
+# 9. greedy decoding, and 10. beam search.
 #
 # At the end **your** model trains for a few minutes on English→Spanish and translates real
-# sentences with **your** decoding. Attention, masks, layer norm and the MLP come from the
-# earlier chapters. Each check cell compares your code with the course's reference and, when
-# they differ, tells you which classic mistake your output matches.
+# sentences with **your** decoding. It is yours all the way down: the first cell loads the parts
+# you built in chapters 1–4 (your BPE tokenizer, attention, masks and layer norm) from the files
+# their workbooks saved, checks each one again, and prints whose each part is. A part you have
+# not finished is replaced by the course's, and the table says why. Each check cell compares
+# your code with the course's reference, tells you which classic mistake your output matches
+# when they differ, and once it passes saves your part for chapter 6 (`keep`).
 
 # %% tags=nbval-ignore-output
 import math
@@ -30,9 +35,7 @@ from torch import Tensor, nn
 from transformer_lens.hook_points import HookPoint
 from transformer_lens.HookedRootModule import HookedRootModule
 
-from transformer_course import validate
-from transformer_course.attention import MultiHeadAttention, set_fast_path
-from transformer_course.blocks import MLP
+from transformer_course.checks.gpt2 import check_mlp
 from transformer_course.checks.translation import (
     check_beam_search,
     check_encoder_decoder,
@@ -44,12 +47,11 @@ from transformer_course.checks.translation import (
     check_seq2seq_block,
     check_token_embedding,
 )
-from transformer_course.decoding import _decode_args, next_token_logits
-from transformer_course.encoder_decoder import Seq2SeqConfig
-from transformer_course.layernorm import LayerNorm
-from transformer_course.masking import padding_mask
-from transformer_course.runtime import by_profile, describe_run, evaluating, seed_everything
+from transformer_course.parts import keep, load_parts, whose_parts
+from transformer_course.runtime import describe_run, seed_everything
 
+# Your chapters 1-4 (each checked again) and the course's tools, in this notebook.
+load_parts(globals(), chapter=5)
 seed_everything(0)
 print(describe_run())
 
@@ -73,6 +75,7 @@ print(describe_run())
 
 # %% [check]
 check_positional_encoding(sinusoidal_positional_encoding)
+keep(sinusoidal_positional_encoding)
 
 # %% [markdown]
 # ## Exercise 5.2: the scaled token embedding
@@ -80,8 +83,8 @@ check_positional_encoding(sinusoidal_positional_encoding)
 # The embedding matrix `W_E` is initialised with standard deviation $1/\sqrt{d_\text{model}}$, so
 # each embedding vector has length about 1 while each positional vector has length about
 # $\sqrt{d_\text{model}/2}$. Multiplying the embedding by $\sqrt{d_\text{model}}$ (section 3.4 of
-# the paper) puts the two on the same scale. Return
-# `dropout(W_E[tokens] * sqrt(d_model) + PE[:pos])`.
+# the paper) puts the two on the same scale. Return the scaled embeddings plus the encoding of
+# their positions, after dropout.
 
 # %% [exercise] transformer_course.encoder_decoder:TokenEmbedding blank=forward difficulty=1 importance=4 minutes=10
 # hint: Look up the embeddings, scale them, add the positional encoding for as many positions as the
@@ -91,11 +94,32 @@ check_positional_encoding(sinusoidal_positional_encoding)
 
 # %% [check]
 check_token_embedding(TokenEmbedding)
+keep(TokenEmbedding)
 
 # %% [markdown]
-# ## Exercise 5.3: the residual sublayer
+# ## Exercise 5.3: the MLP
 #
-# Every attention and every MLP of the model sits in the same norm_and_dropout: its output goes through
+# After attention has moved information between positions, every position is processed on its
+# own by the same two-layer network: widen to `d_mlp` (four times `d_model` in the paper and in
+# GPT-2), apply a nonlinearity, project back to `d_model`. The paper uses ReLU; GPT-2 uses
+# `gelu_new`, a smooth curve close to ReLU (the tanh approximation of GELU).
+# `ACTIVATIONS[self.act_fn]` is the one this MLP was built with. Pass the widened
+# pre-activation through `hook_pre` and the activation's output through `hook_post`.
+
+# %% [exercise] transformer_course.blocks:MLP blank=forward difficulty=2 importance=4 minutes=10
+# hint: Two learned projections with biases, `W_in`/`b_in` then `W_out`/`b_out`, and the
+#   activation between them; every position is processed alike.
+# hint: `x @ self.W_in + self.b_in` is the widened pre-activation; the hooks see it, then the
+#   activation's output.
+
+# %% [check]
+check_mlp(MLP)
+keep(MLP)
+
+# %% [markdown]
+# ## Exercise 5.4: the residual sublayer
+#
+# Every attention and every MLP of the model sits in the same wrapping: its output goes through
 # dropout, is added to the residual stream, and a layer norm keeps the stream's scale in check.
 # Where the norm goes is the difference between the paper's **post-LN** and the **pre-LN** that
 # GPT-2 and most modern models use (chapter 4):
@@ -111,6 +135,9 @@ check_token_embedding(TokenEmbedding)
 # returns: a hook may replace the tensor.
 
 # %% [exercise] transformer_course.blocks:residual_sublayer difficulty=2 importance=5 minutes=10
+# docstring: One sublayer (`sublayer`, an attention or the MLP) with its dropout, residual
+#   connection and layer norm `ln`, placed as `norm` says ("pre" or "post"). What the
+#   sublayer adds to the stream, after dropout, passes through `hook_out`.
 # hint: Compute what the sublayer adds first: dropout of the sublayer's output, passed through
 #   `hook_out`. Which input the sublayer reads depends on `norm`.
 # hint: Pre-LN adds that to `resid` as it is; post-LN normalises the sum `resid + out`, so the
@@ -118,9 +145,10 @@ check_token_embedding(TokenEmbedding)
 
 # %% [check]
 check_residual_sublayer(residual_sublayer)
+keep(residual_sublayer)
 
 # %% [markdown]
-# ## Exercise 5.4: one block for the encoder and the decoder
+# ## Exercise 5.5: one block for the encoder and the decoder
 #
 # The encoder and the decoder are built from the same block, with two switches:
 #
@@ -131,7 +159,7 @@ check_residual_sublayer(residual_sublayer)
 #   the MLP, **cross-attention**: queries from the residual stream, keys and values from
 #   `context`, the encoder's output. `context_mask` hides the source padding.
 #
-# Write `forward` with your `residual_sublayer` from exercise 5.3, once per sublayer, each with
+# Write `forward` with your `residual_sublayer` from exercise 5.4, once per sublayer, each with
 # its own layer norm (`ln1` for self-attention, `ln_cross` for cross-attention, `ln2` for the
 # MLP), `self.dropout`, and its hook (`hook_attn_out`, `hook_cross_attn_out`, `hook_mlp_out`).
 # Pass the stream through `hook_resid_pre` first, `hook_resid_mid` after self-attention,
@@ -150,9 +178,10 @@ check_residual_sublayer(residual_sublayer)
 
 # %% [check]
 check_seq2seq_block(TransformerBlock)
+keep(TransformerBlock)
 
 # %% [markdown]
-# ## Exercise 5.5: the whole model
+# ## Exercise 5.6: the whole model
 #
 # The class below assembles your parts: `src_embed` and `tgt_embed` are your `TokenEmbedding`
 # (one shared table when `cfg.share_embeddings`), `encoder` and `decoder` are stacks of your
@@ -176,9 +205,10 @@ check_seq2seq_block(TransformerBlock)
 
 # %% [check]
 check_encoder_decoder(EncoderDecoderTransformer)
+keep(EncoderDecoderTransformer)
 
 # %% [markdown]
-# ## Exercise 5.6: label smoothing
+# ## Exercise 5.7: label smoothing
 #
 # Instead of a one-hot target, train against $(1-\varepsilon)\cdot\text{one\_hot} + \varepsilon/V$
 # (Szegedy et al., 2016; the paper uses $\varepsilon = 0.1$). The loss becomes
@@ -194,9 +224,10 @@ check_encoder_decoder(EncoderDecoderTransformer)
 
 # %% [check]
 check_label_smoothing(label_smoothed_cross_entropy)
+keep(label_smoothed_cross_entropy)
 
 # %% [markdown]
-# ## Exercise 5.7: the learning-rate schedule
+# ## Exercise 5.8: the learning-rate schedule
 #
 # The paper raises the learning rate linearly for `warmup_steps` steps and then lets it fall
 # with the inverse square root of the step. With steps counted from 0 and $n$ = step + 1:
@@ -213,16 +244,17 @@ check_label_smoothing(label_smoothed_cross_entropy)
 
 # %% [check]
 check_inverse_sqrt_lr(inverse_sqrt_lr)
+keep(inverse_sqrt_lr)
 
 # %% [markdown]
-# ## Exercise 5.8: greedy decoding
+# ## Exercise 5.9: greedy decoding
 #
 # Encode the source once. Start every row with `<s>`; at each step run the decoder on the tokens
 # so far, take the most likely next token at the last position and append it. A row is finished
 # when it produces `</s>` (keep appending padding to it while the others go on); stop when every
 # row is finished or after `max_new_tokens` new tokens. Return the generated ids without `<s>` and
-# `</s>`. Decode in evaluation mode: `with evaluating(model):` switches dropout off and
-# gradients with it, and gives the model its own mode back afterwards.
+# `</s>`. Decode in evaluation mode, without gradients, and give the model its own mode back
+# afterwards: the course's context manager `evaluating` does all three.
 
 # %% [exercise] transformer_course.decoding:greedy_decode difficulty=3 importance=5 minutes=25
 # hint: Encode once; start every row with `bos_id`; each step decodes everything generated so far
@@ -234,9 +266,10 @@ check_inverse_sqrt_lr(inverse_sqrt_lr)
 
 # %% [check]
 check_greedy_decode(greedy_decode)
+keep(greedy_decode)
 
 # %% [markdown]
-# ## Exercise 5.9: beam search
+# ## Exercise 5.10: beam search
 #
 # Greedy decoding commits to the likeliest next token even when a less likely one leads to a
 # likelier translation. Beam search keeps the `beam_size` best partial translations instead,
@@ -258,21 +291,25 @@ check_greedy_decode(greedy_decode)
 
 # %% [check]
 check_beam_search(beam_search)
+keep(beam_search)
 
 # %% [markdown]
 # ## Your translator
 #
-# Everything is in place: your embedding, your residual sublayer and block, your model, your
-# loss and schedule, your decoding. Train the model on Tatoeba English→Spanish pairs of at most
-# six words with the course's training loop (`transformer_course.training.train`, chapter 5's
-# shared loop), your `label_smoothed_cross_entropy` as the loss and your `inverse_sqrt_lr` as the
-# schedule. The data pipeline comes from `transformer_course.translation`: one byte-level BPE
-# vocabulary for both languages, and batches of sentences of similar length. The test sentences
-# were never seen in training: the split is by English sentence. A few minutes of CPU training
-# give rough but recognisable Spanish; the book page trains longer.
+# Everything is in place: your tokenizer, attention, masks and layer norm from chapters 1–4,
+# your embedding, MLP, residual sublayer, block and model, your loss and schedule, your
+# decoding. The data is Tatoeba's English→Spanish pairs of at most six words; the test
+# sentences were never seen in training (the split is by English sentence). Your `BPETokenizer`
+# learns one byte-level vocabulary for both languages from the training pairs; the course's
+# `LengthBatches` groups sentences of similar length into batches, and its training loop
+# (`transformer_course.training.train`, chapter 5's shared loop; you write one yourself in
+# chapter 6) trains your model with your `label_smoothed_cross_entropy` and your
+# `inverse_sqrt_lr`. A few minutes of CPU training give rough but recognisable Spanish; the
+# book page trains longer.
 
 # %% [check] tags=nbval-ignore-output
-from transformer_course.decoding import BOS, EOS, PAD, pad_batch
+from transformer_course.decoding import BOS, EOS, PAD, SPECIAL_TOKENS, pad_batch
+from transformer_course.tokenizer_files import GPT2_SPLIT_PATTERN
 from transformer_course.training import TrainConfig, train
 from transformer_course.translation import (
     SETUPS,
@@ -281,16 +318,19 @@ from transformer_course.translation import (
     load_splits,
     model_config,
     references_by_source,
-    train_tokenizer,
 )
 
 setup = SETUPS["quick"]
 splits = load_splits(setup.max_words)
-tokenizer = train_tokenizer(splits["train"], setup.vocab_size)
+text = "\n".join(f"{english}\n{spanish}" for english, spanish in splits["train"])
+tokenizer = BPETokenizer.train(  # your tokenizer, with your merges
+    text, setup.vocab_size, pattern=GPT2_SPLIT_PATTERN, special_tokens=SPECIAL_TOKENS
+)
 pad, bos, eos = (tokenizer.special_tokens[t] for t in (PAD, BOS, EOS))
 seed_everything(0)
-model = EncoderDecoderTransformer(model_config(setup, tokenizer))  # your class, your parts
-set_fast_path(model, True)  # PyTorch's fused attention kernel: faster training
+model = EncoderDecoderTransformer(model_config(setup, tokenizer))
+set_fast_path(model, True)  # PyTorch's fused attention kernel in your attention: faster
+whose_parts(globals(), chapter=5)
 
 
 def loss_fn(model, batch):

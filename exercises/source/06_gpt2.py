@@ -1,22 +1,29 @@
 # %% [markdown]
 # # Chapter 6 workbook: GPT-2
 #
-# You will build GPT-2 out of your own parts: the token and position embeddings, the
-# unembedding, the MLP with `gelu_new`, the pre-LN transformer block, the model that wires them
-# together, and the sampling loop that turns the model into a text generator. Then you load
-# GPT-2-shaped Hugging Face weights into *your* model and match its outputs component by
-# component, write the training step and the batches it trains on, and train your model on
-# Tiny Shakespeare. Attention (chapter 2) and layer norm (chapter 4) come from the course
-# package. An optional last exercise adds a KV cache to generation.
+# You will build GPT-2 and train it with a loop of your own:
 #
-# Each exercise is followed by a check cell. It compares your code with the course's reference
-# on random weights and prints `✓ ... passes every check` when you are done, or says what is
-# wrong and hints at why.
+# 1. the token embedding, 2. the position embedding and 3. the unembedding;
+# 4. the model that wires them around your chapter 5 blocks;
+# 5. the conversion that loads Hugging Face's GPT-2 weights into your model;
+# 6. nucleus (top-p) filtering and 7. the sampling loop that turns the model into a writer;
+# 8. random batches of text and 9. the validation loss;
+# 10. the warmup + cosine learning-rate schedule;
+# 11. the training step and 12. the training loop that evaluates and keeps the best model;
+# 13. (optional) a KV cache for generation.
+#
+# At the end your GPT-2 trains on Tiny Shakespeare, and every part of it is yours: the first
+# cell loads what you built in chapters 1–5 (tokenizer, attention, masks, layer norm, MLP,
+# residual sublayer and block) from the files their workbooks saved and checks each one again;
+# a part you have not finished is replaced by the course's, and the table says so. Each check
+# cell compares your code with the course's reference on random weights, says what is wrong
+# and hints at why, and once it passes saves your part (`keep`).
 
 # %%
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Literal
 
 import einops
@@ -29,35 +36,27 @@ from transformer_lens.HookedRootModule import HookedRootModule
 from transformers import GPT2Config as HFGPT2Config
 from transformers import GPT2LMHeadModel
 
-from transformer_course import validate
-from transformer_course.attention import (
-    LayerCache,
-    MultiHeadAttention,
-    scaled_dot_product_attention,
-    set_fast_path,
-)
-from transformer_course.blocks import ACTIVATIONS, residual_sublayer
 from transformer_course.checks.gpt2 import (
     check_against_huggingface,
+    check_cosine_lr,
     check_embed,
+    check_estimate_loss,
     check_generate,
     check_gpt2_forward,
     check_kv_cache,
-    check_mlp,
     check_pos_embed,
     check_sample_batch,
     check_top_p_filter,
+    check_train_loop,
     check_train_step,
-    check_transformer_block,
     check_unembed,
+    check_weight_conversion,
 )
-from transformer_course.gpt2 import GPT2Config, KVCache, TiedUnembed
-from transformer_course.gpt2_weights import convert_hf_gpt2_state_dict
-from transformer_course.layernorm import LayerNorm
-from transformer_course.masking import causal_mask
-from transformer_course.runtime import describe_run, evaluating, seed_everything
-from transformer_course.training import lm_loss
+from transformer_course.parts import keep, load_parts, whose_parts
+from transformer_course.runtime import describe_run, seed_everything
 
+# Your chapters 1-5 (each checked again) and the course's tools, in this notebook.
+load_parts(globals(), chapter=6)
 seed_everything(0)
 print(describe_run())
 
@@ -75,6 +74,7 @@ print(describe_run())
 
 # %% [check]
 check_embed(Embed)
+keep(Embed)
 
 # %% [exercise] transformer_course.gpt2:PosEmbed blank=forward difficulty=1 importance=4 minutes=5
 # hint: Only the first `pos` rows of `W_pos` are used, and every sequence of the batch gets the same
@@ -83,6 +83,7 @@ check_embed(Embed)
 
 # %% [check]
 check_pos_embed(PosEmbed)
+keep(PosEmbed)
 
 # %% [markdown]
 # ## Unembedding
@@ -98,57 +99,22 @@ check_pos_embed(PosEmbed)
 
 # %% [check]
 check_unembed(Unembed)
+keep(Unembed)
 
 # %% [markdown]
-# ## The MLP
+# ## Your block
 #
-# Each block's MLP widens every position to `d_mlp = 4 * d_model`, applies GPT-2's activation
-# `gelu_new` (the tanh approximation of GELU), and projects back. `ACTIVATIONS[self.act_fn]`
-# is the activation function.
-
-# %% [exercise] transformer_course.blocks:MLP blank=forward difficulty=2 importance=4 minutes=10
-# hint: Widen to `d_mlp`, apply the activation, project back to `d_model`; biases on both
-#   projections.
-# hint: `hook_pre` sees the widened pre-activation, `hook_post` the activation's output.
-#   `ACTIVATIONS[self.act_fn]` is the activation function.
-
-# %% [check]
-check_mlp(MLP)
-
-# %% [markdown]
-# ## The transformer block
-#
-# A block reads the residual stream and adds two things to it: what causal self-attention
-# finds, then what the MLP computes. GPT-2 normalises each sublayer's **input** (pre-LN) and
-# leaves the stream itself alone; the original transformer normalised **after** each sum
-# (post-LN). `self.norm` says which. Chapter 5's `residual_sublayer` (imported above) wires one
-# sublayer either way, with its dropout and its output hook; chapter 5's decoder also adds a
-# cross-attention sublayer, which GPT-2 does not have (`cross_attention=False`, the default).
-# Attention is causal here (`self.causal`): pass it on with `causal=...` (on the fast path
-# PyTorch's fused kernel then hides the future without building a mask), along with the
-# optional `mask` you are given. Pass the stream through the hook points in the order their
-# comments in `__init__` give.
-#
-# `__init__` builds the block from chapter 2's `MultiHeadAttention`, chapter 4's `LayerNorm`
-# and **your** `MLP` from above.
-
-# %% [exercise] transformer_course.blocks:TransformerBlock blank=forward difficulty=3 importance=5 minutes=25
-# hint: Two sublayers, each one `residual_sublayer` call: attention with `ln1`, then the MLP
-#   with `ln2`. Its `sublayer` argument is any function of one tensor.
-# hint: Attention needs more than one argument: wrap it, e.g. in a small local function that
-#   calls `self.attn` with the mask and `causal=self.causal`.
-# hint: Hooks in order: `hook_resid_pre` on the input, `hook_resid_mid` between the sublayers,
-#   `hook_resid_post` on the output; `residual_sublayer` feeds `hook_attn_out` and
-#   `hook_mlp_out` through its `hook_out` argument.
-
-# %% [check]
-check_transformer_block(TransformerBlock)
+# GPT-2's block is the one you wrote in chapter 5 (exercise 5.5), with the decoder's causal
+# self-attention and without its cross-attention: `TransformerBlock(..., causal=True,
+# cross_attention=False, norm="pre")`. GPT-2 normalises each sublayer's input (pre-LN), as
+# your `residual_sublayer` does with `norm="pre"`, and its MLP is your chapter 5 `MLP` with
+# `gelu_new`. Nothing to write here: `GPT2.__init__` below builds its blocks from yours.
 
 # %% [markdown]
 # ## The whole model
 #
 # `GPT2.__init__` is given: it builds **your** `Embed`, `PosEmbed`, `n_layers` of **your**
-# `TransformerBlock`s, a final `LayerNorm` and **your** `Unembed`. Write `forward`: token ids
+# `TransformerBlock`s, **your** final `LayerNorm` and **your** `Unembed`. Write `forward`: token ids
 # in, logits out. Pass the two embeddings through `hook_embed` and `hook_pos_embed`, so
 # `run_with_cache` sees them, and apply `self.dropout` to their sum.
 
@@ -158,22 +124,49 @@ check_transformer_block(TransformerBlock)
 
 # %% [check]
 check_gpt2_forward(GPT2)
+keep(GPT2)
 
 # %% [markdown]
 # ## Real weights in your model
 #
-# `GPT2.from_huggingface` (part of the class above) copies a Hugging Face `GPT2LMHeadModel`'s
-# weights into a new `GPT2`, transposing and splitting them into TransformerLens's layout. The
-# class it builds is **yours**, so if your model reproduces Hugging Face's outputs, every part
-# you wrote is GPT-2's. The course runs offline, so the weights here are random, but the model
-# has GPT-2's exact architecture (at a smaller width and depth, to run in seconds). The check
-# compares the two models stage by stage and names the first one that differs.
+# Hugging Face's `GPT2LMHeadModel` stores GPT-2 in OpenAI's layout, and yours uses
+# TransformerLens's names and shapes. Write the conversion from their `state_dict()` to yours:
+# a dict from each of your parameter names (`embed.W_E`, `blocks.0.attn.W_Q`, ...; print
+# `GPT2(cfg).state_dict().keys()` to see them all) to a tensor of your shape.
+#
+# Three things to know about their layout. Their `Conv1D` layers store a weight as
+# `(d_in, d_out)`: already the layout of your `x @ W` (no transpose, unlike `nn.Linear`).
+# Attention keeps queries, keys and values side by side in one `attn.c_attn` matrix
+# `(d_model, 3 * d_model)`, and every head's columns together; the output projection
+# `attn.c_proj` reads the heads' outputs concatenated. And the language-model head
+# `lm_head.weight` `(d_vocab, d_model)` is the token embedding itself (tied weights) and has no
+# bias: your `unembed.W_U` is its transpose, and your `unembed.b_U` is zero.
+#
+# `GPT2.from_huggingface` (in your class above) calls your conversion, so once it passes, the
+# next cell compares your whole model with Hugging Face's, stage by stage.
+
+# %% [exercise] transformer_course.gpt2_weights:convert_hf_gpt2_state_dict difficulty=3 importance=4 minutes=30
+# docstring: Hugging Face GPT-2 weights (`hf_state_dict`, from a `GPT2LMHeadModel`) under your
+#   model's parameter names and shapes, for `n_layers` blocks of `n_heads` heads. Returns a dict
+#   that `GPT2.load_state_dict` accepts.
+# hint: Print both sides: `hf_model.state_dict()` and `GPT2(cfg).state_dict()`, name and shape.
+#   Most block parameters only change name (`ln_1.weight` is your `ln1.w`, `mlp.c_fc.weight` your
+#   `mlp.W_in`, ...).
+# hint: `c_attn` splits into three equal parts along its output dimension (Q, K, V, in that
+#   order); each part's columns are the heads one after another, and `W_O`'s rows likewise.
+# hint: `chunk(3, dim=1)` splits `c_attn`; `einops.rearrange(w, "d_model (head d_head) -> head
+#   d_model d_head", head=n_heads)` gives `W_Q`'s shape, and `"(head d_head) d_model -> head
+#   d_head d_model"` gives `W_O`'s.
+
+# %% [check]
+check_weight_conversion(convert_hf_gpt2_state_dict)
+keep(convert_hf_gpt2_state_dict)
 
 # %% [check] tags=nbval-ignore-output
 torch.manual_seed(0)
 hf_config = HFGPT2Config(n_embd=64, n_layer=3, n_head=4, n_positions=32, vocab_size=100)
 hf_model = GPT2LMHeadModel(hf_config).eval()
-yours = GPT2.from_huggingface(hf_model)
+yours = GPT2.from_huggingface(hf_model)  # your class, your conversion
 tokens = torch.randint(0, hf_config.vocab_size, (2, 12))
 check_against_huggingface(yours, hf_model, tokens)
 
@@ -188,13 +181,17 @@ check_against_huggingface(yours, hf_model, tokens)
 # unchanged and in the original vocabulary order.
 
 # %% [exercise] transformer_course.gpt2:top_p_filter difficulty=3 importance=3 minutes=20
-# hint: Sort each row's probabilities (the softmax of the logits) in descending order and take
-#   their running sum.
-# hint: A token is dropped when the mass *before* it already reaches `top_p`:
-#   `cumsum - probs >= top_p`. Then put the mask back in vocabulary order with `scatter`.
+# hint: Sort each row's probabilities (the softmax of the logits) from most to least likely and
+#   take their running sum: the nucleus is a prefix of that order.
+# hint: A token stays when the mass of the tokens *before* it has not yet reached `top_p`; the
+#   first token always stays, as its prefix is empty.
+# hint: Decide in sorted order, then carry the decision back to vocabulary order (the sort's
+#   indices say where each sorted token came from: `scatter` or indexing), and fill the
+#   dropped logits with `-inf`.
 
 # %% [check]
 check_top_p_filter(top_p_filter)
+keep(top_p_filter)
 
 # %% [markdown]
 # ## Sampling
@@ -207,35 +204,21 @@ check_top_p_filter(top_p_filter)
 #
 # Rows of a batch are independent: each keeps its own `top_k` and ends up with its own samples.
 # Draw random numbers from `generator` when one is given, so a seeded run repeats exactly.
+# Generate in eval mode (no dropout) without gradients, and give the model back its own mode
+# afterwards: `evaluating(model)` does all three.
 
 # %% [exercise] transformer_course.gpt2:generate difficulty=3 importance=5 minutes=25
 # hint: Each step feeds at most the last `n_ctx` tokens and uses only the logits of the last
 #   position.
-# hint: Temperature 0 is the argmax. Otherwise divide the logits by the temperature; with `top_k`,
-#   forbid every logit below the k-th largest of its own row; with `top_p`, apply `top_p_filter`.
-# hint: Sample with `torch.multinomial(probs, 1, generator=generator)` from the softmax, append,
-#   repeat `max_new_tokens` times.
+# hint: The order of the filters matters: temperature first, then `top_k`, then `top_p` (the
+#   nucleus is measured on the tempered distribution). Temperature 0 is the argmax.
+# hint: `top_k` forbids (sets to -inf) every logit below the k-th largest of its own row
+#   (`torch.topk`); then `top_p_filter`; sample with `torch.multinomial(probs, 1,
+#   generator=generator)` from the softmax, append, repeat `max_new_tokens` times.
 
 # %% [check]
 check_generate(generate)
-
-# %% [markdown]
-# ## The training step
-#
-# Training is one step repeated: put the model in train mode (dropout on), compute the loss of
-# next-token prediction (`lm_loss`: cross-entropy of each position's logits against the next
-# token), clear the old gradients, backpropagate, clip the gradients' global norm to
-# `grad_clip` (one bad batch then cannot throw the weights far), and let the optimizer update.
-# Return the loss as a Python float, for the log.
-
-# %% [exercise] transformer_course.gpt2:train_step difficulty=2 importance=5 minutes=15
-# hint: The order is: `model.train()`, loss, `optimizer.zero_grad()`, `loss.backward()`, clip,
-#   `optimizer.step()`.
-# hint: `torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)` clips in place; skip it
-#   when `grad_clip` is None. Return `loss.item()`.
-
-# %% [check]
-check_train_step(train_step)
+keep(generate)
 
 # %% [markdown]
 # ## Batches of text
@@ -256,24 +239,123 @@ check_train_step(train_step)
 
 # %% [check]
 check_sample_batch(sample_batch)
+keep(sample_batch)
+
+# %% [markdown]
+# ## The validation loss
+#
+# The training loss is measured on batches the model is learning from; to know whether it
+# generalises, measure the same loss on text it never trains on. `estimate_loss` averages the
+# next-token loss (`lm_loss`) over `n_batches` batches of `data` drawn with your `sample_batch`
+# (passing `generator` on), as nanoGPT does. A measurement must not change what it measures:
+# dropout off while measuring, no gradients (they would only cost memory), and the model left
+# in the mode it was in.
+
+# %% [exercise] transformer_course.training:estimate_loss difficulty=2 importance=4 minutes=15
+# docstring: Mean next-token loss of `model` over `n_batches` random batches of `data`, each
+#   `batch_size` windows of `n_ctx` tokens, measured in eval mode without gradients; the
+#   model's mode is restored afterwards.
+# hint: Three concerns: the mode (eval while measuring, then back), gradients (none), and the
+#   average (one loss per batch, the mean of them).
+# hint: `evaluating(model)` is a context manager that does the first two; each batch comes from
+#   `sample_batch(data, batch_size, n_ctx, generator=generator)`, moved to the model's device.
+
+# %% [check]
+check_estimate_loss(estimate_loss)
+keep(estimate_loss)
+
+# %% [markdown]
+# ## Warmup, then a cosine
+#
+# GPT-2 and nanoGPT train with a learning rate that rises linearly for `warmup_steps` steps
+# (Adam's statistics are noisy at first, so the first updates should be small), then falls
+# along half a cosine from `lr` down to `min_lr` at `max_steps`, and stays there. Steps count
+# from 0, and the first step already trains: during warmup the rate is `lr * (step + 1) /
+# warmup_steps`, so step 0 is not wasted at rate 0.
+#
+# $$\text{lr}(t) = \text{min\_lr} + \tfrac12(\text{lr} - \text{min\_lr})(1 + \cos \pi p),
+# \qquad p = \min\left(1, \frac{t - \text{warmup}}{\text{max\_steps} - \text{warmup}}\right)$$
+
+# %% [exercise] transformer_course.training:cosine_lr difficulty=2 importance=4 minutes=10
+# docstring: The learning rate at `step` (from 0): a linear warmup to `lr` over `warmup_steps`
+#   steps, then half a cosine down to `min_lr` at `max_steps`, and `min_lr` after.
+# hint: Two branches: warmup (steps before `warmup_steps`) and decay. Check the ends: the
+#   last warmup step and the first decay step are both at `lr`.
+# hint: In the decay, the progress `p` goes from 0 at `warmup_steps` to 1 at `max_steps`;
+#   clamp it at 1, and guard the division when `max_steps == warmup_steps`.
+
+# %% [check]
+check_cosine_lr(cosine_lr)
+keep(cosine_lr)
+
+# %% [markdown]
+# ## The training step
+#
+# Training is one step repeated. A step runs the model in train mode (dropout on), measures
+# the loss of next-token prediction (`lm_loss`: the cross-entropy of each position's logits
+# against the next token), computes fresh gradients of it (the old ones must not add up with
+# the new), limits their global norm to `grad_clip` (one bad batch then cannot throw the
+# weights far) and lets the optimizer update the weights. Return the loss as a Python number,
+# for the log.
+
+# %% [exercise] transformer_course.gpt2:train_step difficulty=2 importance=5 minutes=15
+# docstring: One optimizer step of next-token training on `tokens` and their `targets`, with
+#   gradient clipping to `grad_clip` (None: no clipping); returns the loss as a float.
+# hint: Five things, in an order that matters: the mode, the loss, clearing old gradients,
+#   backpropagation, clipping, the update. Clipping must see this step's gradients and come
+#   before the optimizer uses them.
+# hint: PyTorch has each piece: `Module.train`, `Optimizer.zero_grad`, `Tensor.backward`,
+#   `torch.nn.utils.clip_grad_norm_` (skip it when `grad_clip` is None), `Optimizer.step`,
+#   and `Tensor.item` for the float.
+
+# %% [check]
+check_train_step(train_step)
+keep(train_step)
+
+# %% [markdown]
+# ## The training loop
+#
+# Now the loop around your step, as nanoGPT writes it. For each of `max_steps` steps (counted
+# from 0): set the optimizer's learning rate to `lr_at(step)` (every parameter group's `"lr"`)
+# **before** the step, take a `train_step` on the batch `get_batch(step)`, and record the step,
+# its loss and its rate in a `History`. After every `eval_every` steps, and after the last,
+# measure `evaluate(model)` (a validation loss) and record `{"step": steps done, "val_loss":
+# ...}` in `history.evals`. Keep the best model: wherever the validation loss is the lowest so
+# far, record it in `history.best` and keep a **copy** of the weights in
+# `history.best_state` (the model's tensors go on changing; a reference to them would not keep
+# anything).
+
+# %% [exercise] transformer_course.gpt2:train_loop difficulty=3 importance=5 minutes=25
+# docstring: Train `model` for `max_steps` steps with `optimizer`, at learning rate
+#   `lr_at(step)`, on batches `get_batch(step)`, clipping gradients to `grad_clip`; evaluate
+#   with `evaluate(model)` every `eval_every` steps and after the last, and keep the best
+#   weights. Returns the `History` (per step: step, train_loss, lr; evals; best, best_state).
+# hint: One `for` loop over the steps. Inside: the rate first (a loop over
+#   `optimizer.param_groups`), then your `train_step`, then the bookkeeping.
+# hint: Evaluate when `(step + 1) % eval_every == 0` or at the last step; compare with
+#   `history.best` (empty at first) to decide whether this is the best so far.
+# hint: A copy of the weights: `{name: t.detach().clone() for name, t in
+#   model.state_dict().items()}`.
+
+# %% [check]
+check_train_loop(train_loop)
+keep(train_loop)
 
 # %% [markdown]
 # ## Your GPT, trained
 #
-# Everything below runs on your code: your `GPT2` (built from your embeddings, blocks and
-# unembedding), your `sample_batch`, your `train_step` and your `generate`. The data is Tiny
-# Shakespeare, one token per
-# character (the course's `CharTokenizer`), and the model is nanoGPT's "baby GPT" for CPUs: 4
-# layers, 4 heads, width 128, a context of 64 characters. Each step trains on 12 random windows
-# of the text; every few hundred steps the loss on held-out text (the last 10%) is measured.
-# A loss of ln(65) ≈ 4.17 is a uniform guess over the 65 characters; a couple of minutes of CPU
-# training bring it near 2, where the samples take Shakespeare's layout: names, then lines.
+# Everything below runs on your code: your `CharTokenizer` (chapter 1) reads Tiny
+# Shakespeare, one token per character; your `GPT2`, built from your embeddings and your
+# chapter 5 blocks (with your chapter 2 attention, your chapter 3 masks and your chapter 4
+# layer norms), trains with your loop, step, schedule, batches and validation loss, and your
+# `generate` writes. The table says whose each part is. The model is nanoGPT's "baby GPT" for
+# CPUs: 4 layers, 4 heads, width 128, a context of 64 characters. A loss of ln(65) ≈ 4.17 is a
+# uniform guess over the 65 characters; a couple of minutes of CPU training bring it near 2,
+# where the samples take Shakespeare's layout: names, then lines.
 
 # %% [check] tags=nbval-ignore-output
 from transformer_course.data import load_text
 from transformer_course.runtime import by_profile
-from transformer_course.tokenization import CharTokenizer
-from transformer_course.training import estimate_loss
 
 text = load_text("tinyshakespeare")
 chars = CharTokenizer(text)
@@ -285,15 +367,30 @@ seed_everything(0)
 config = GPT2Config(d_model=128, n_layers=4, n_heads=4, d_vocab=chars.vocab_size, n_ctx=64)
 model = set_fast_path(GPT2(config))
 optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.99))
-batches = torch.Generator().manual_seed(1)
-steps, losses = by_profile(quick=1200, full=5000), []
-for step in range(steps):
-    tokens, targets = sample_batch(train_data, 12, 64, generator=batches)
-    losses.append(train_step(model, optimizer, tokens, targets))
-    if (step + 1) % 400 == 0:
-        val = estimate_loss(model, val_data, batch_size=12, n_ctx=64, n_batches=50,
-                            generator=torch.Generator().manual_seed(2))
-        print(f"step {step + 1}: train loss {sum(losses[-100:]) / 100:.3f}, val loss {val:.3f}")
+whose_parts(globals(), chapter=6)
+
+steps, batches = by_profile(quick=1200, full=5000), torch.Generator().manual_seed(1)
+
+
+def get_batch(step):
+    return sample_batch(train_data, 12, 64, generator=batches)
+
+
+def evaluate(model):
+    held_out = torch.Generator().manual_seed(2)  # the same batches at every evaluation
+    return estimate_loss(model, val_data, batch_size=12, n_ctx=64, n_batches=50, generator=held_out)
+
+
+def lr_at(step):
+    return cosine_lr(step, lr=1e-3, warmup_steps=100, max_steps=steps, min_lr=1e-4)
+
+
+history = train_loop(model, optimizer, get_batch, evaluate, max_steps=steps, lr_at=lr_at,
+                     eval_every=400)
+for record in history.evals:
+    print(f"step {record['step']}: val loss {record['val_loss']:.3f}")
+model.load_state_dict(history.best_state)  # the best model, not the last
+print(f"best: val loss {history.best['val_loss']:.3f} at step {history.best['step']}")
 
 # %% [check] tags=nbval-ignore-output
 prompt = torch.tensor([chars.encode("\n")])
@@ -307,27 +404,26 @@ print(chars.decode(sample[0].tolist()))
 # This exercise is optional: the chapter is complete without it. `generate` runs the whole
 # context again for every new token, although the keys and values of the earlier positions
 # never change (a position attends only to itself and to positions before it). Keep them:
-# `forward_with_cache` runs only the new tokens through the model, reading every block's earlier
-# keys and values from the cache and appending the new ones. Three things differ from
-# `GPT2.forward`: the new tokens' positions come after the cached ones, attention uses the
-# cached keys and values followed by the new ones, and the mask has one row per new token and
-# one column per key (chapter 3's `causal_mask(q_len, k_len)` aligns the last query with the
-# last key). Write attention out from the block's parameters (`W_Q`, `b_Q`, ..., `W_O`, `b_O`)
-# with chapter 2's `scaled_dot_product_attention`. The check feeds a prompt, then single
-# tokens, then three tokens at once, and compares every logit with `model(all tokens)`
-# (within 1e-6 in float64); greedy decoding with your cache must give the tokens it gives
-# without.
+# `forward_with_cache` runs only the new tokens through the model. Your attention already
+# knows how to use a cache (its `cache` argument, chapter 2), and your block passes it on:
+# give each block its own `LayerCache`, holding the keys and values the earlier calls left.
+# Two things differ from `GPT2.forward`: the new tokens' positions come after the cached ones,
+# and the function returns every block's keys and values for the next call, as a list of
+# `(keys, values)` pairs (`None` for the first call). The check feeds a prompt, then single
+# tokens, then three tokens at once, and compares every logit with `model(all tokens)` (within
+# 1e-6 in float64); greedy decoding with your cache must give the tokens it gives without.
 
-# %% [exercise] transformer_course.gpt2:forward_with_cache difficulty=4 importance=2 minutes=40
-# hint: Follow `GPT2.forward`, block by block, with attention written out: the cache changes
-#   which positions the new tokens get and which keys and values they attend to.
-# hint: The number of cached positions is the length of any cached key tensor along its position
-#   dimension; the new tokens' position embeddings start there.
-# hint: Concatenate along the position dimension before attending, and return every block's
-#   longer `(keys, values)` pair.
+# %% [exercise] transformer_course.gpt2:forward_with_cache difficulty=3 importance=2 minutes=25
+# hint: Follow `GPT2.forward`: the same embeddings, blocks, final norm and unembedding, with a
+#   `LayerCache` per block made from the pairs you are given (empty ones at first).
+# hint: The number of cached positions is the length of any cached key tensor along its
+#   position dimension (-2); the new tokens' position embeddings start there.
+# hint: After the blocks, each `LayerCache` holds that block's longer `k` and `v`: return them
+#   as the list of pairs, with the logits.
 
 # %% [check]
 check_kv_cache(forward_with_cache)
+keep(forward_with_cache)
 
 # %% [check] tags=nbval-ignore-output
 # Your trained model, greedy, without and with your cache. A cache holds at most n_ctx positions.

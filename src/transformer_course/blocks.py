@@ -40,7 +40,7 @@ class MLP(nn.Module):
     Each position goes through the same two linear maps on its own; this is where most of a
     transformer's parameters live (with d_mlp = 4 d_model, two thirds of each block's).
 
-    Course: chapter 6, exercise 6.4, checked by checks.gpt2.check_mlp.
+    Course: chapter 5, exercise 5.3, checked by checks.gpt2.check_mlp.
     """
 
     def __init__(self, d_model: int, d_mlp: int, act_fn: str = "gelu_new"):
@@ -89,7 +89,7 @@ def residual_sublayer(
     `hook_out` receives what the sublayer adds to the stream (after dropout), and what it
     returns is what gets added, so a hook can patch it.
 
-    Course: chapter 5, exercise 5.3, checked by checks.translation.check_residual_sublayer.
+    Course: chapter 5, exercise 5.4, checked by checks.translation.check_residual_sublayer.
     """
     if norm == "pre":
         return resid + hook_out(dropout(sublayer(ln(resid))))
@@ -105,8 +105,7 @@ class TransformerBlock(HookedRootModule):
     keys and values come from `context`, the encoder's output. `norm` is "pre" or "post" (see
     `residual_sublayer`); `dropout` (default 0) applies to each sublayer's output.
 
-    Course: chapter 5, exercise 5.4, checked by checks.translation.check_seq2seq_block;
-    exercise 6.5, checked by checks.gpt2.check_transformer_block.
+    Course: chapter 5, exercise 5.5, checked by checks.translation.check_seq2seq_block.
     """
 
     def __init__(

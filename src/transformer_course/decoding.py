@@ -92,7 +92,7 @@ def greedy_decode(
 
     Returns one list of ids per source row, without the start and end tokens.
 
-    Course: chapter 5, exercise 5.8, checked by checks.translation.check_greedy_decode.
+    Course: chapter 5, exercise 5.9, checked by checks.translation.check_greedy_decode.
     """
     max_new_tokens = _decode_args(model, src, bos_id, eos_id, max_new_tokens, max_len)
     with evaluating(model):
@@ -126,7 +126,7 @@ def beam_search(
     Hypotheses are ranked by total log-probability over `length ** length_penalty`, so long
     translations are not punished for having more factors below one. A beam of 1 is greedy.
 
-    Course: chapter 5, exercise 5.9, checked by checks.translation.check_beam_search.
+    Course: chapter 5, exercise 5.10, checked by checks.translation.check_beam_search.
     """
     max_new_tokens = _decode_args(model, src, bos_id, eos_id, max_new_tokens, max_len, beam_size)
 

@@ -160,7 +160,7 @@ class EncoderDecoderTransformer(nn.Module):
     The encoder is a stack of non-causal `TransformerBlock`s; the decoder a stack of causal ones
     with cross-attention to the encoder's output.
 
-    Course: chapter 5, exercise 5.5, checked by checks.translation.check_encoder_decoder.
+    Course: chapter 5, exercise 5.6, checked by checks.translation.check_encoder_decoder.
     """
 
     def __init__(self, cfg: Seq2SeqConfig):
@@ -251,7 +251,7 @@ def label_smoothed_cross_entropy(
     2016), so the loss is `(1 - smoothing) * nll + smoothing * mean(-log p)` over the
     vocabulary. Positions whose target is `ignore_index` (padding) do not count.
 
-    Course: chapter 5, exercise 5.6, checked by checks.translation.check_label_smoothing.
+    Course: chapter 5, exercise 5.7, checked by checks.translation.check_label_smoothing.
     """
     validate.targets(targets, logits)
     validate.probability("smoothing", smoothing)

@@ -189,7 +189,7 @@ class GPT2(HookedRootModule):
     The model is a TransformerLens `HookedRootModule`: `run_with_cache(tokens)` returns the logits
     and every hooked activation, and `hooks(...)` / `run_with_hooks(...)` patch them.
 
-    Course: chapter 6, exercise 6.6, checked by checks.gpt2.check_gpt2_forward.
+    Course: chapter 6, exercise 6.4, checked by checks.gpt2.check_gpt2_forward.
     """
 
     def __init__(self, cfg: GPT2Config):
@@ -296,7 +296,7 @@ def generate(
     if given, and samples from the softmax. The model runs in eval mode (no dropout). Logits
     that are not finite are an error.
 
-    Course: chapter 6, exercise 6.8, checked by checks.gpt2.check_generate.
+    Course: chapter 6, exercise 6.7, checked by checks.gpt2.check_generate.
     """
     validate.integer("max_new_tokens", max_new_tokens, low=0)
     validate.number("temperature", temperature, low=0)
@@ -334,7 +334,7 @@ def top_p_filter(
 
     The token that carries the total past `top_p` is kept, so the most likely token always is.
 
-    Course: chapter 6, exercise 6.7, checked by checks.gpt2.check_top_p_filter.
+    Course: chapter 6, exercise 6.6, checked by checks.gpt2.check_top_p_filter.
     """
     sorted_logits, order = logits.sort(dim=-1, descending=True)
     probs = sorted_logits.softmax(dim=-1)
@@ -365,7 +365,7 @@ def forward_with_cache(
     `model(all the tokens so far)` at the new positions. For generation: eval mode, at most
     `n_ctx` positions in all.
 
-    Course: chapter 6, exercise 6.11, checked by checks.gpt2.check_kv_cache.
+    Course: chapter 6, exercise 6.13, checked by checks.gpt2.check_kv_cache.
     """
     layers = [LayerCache(*pair) for pair in cache or [(None, None)] * model.cfg.n_layers]
     start = 0 if cache is None else cache[0][0].shape[-2]
@@ -387,7 +387,7 @@ def train_step(
     """One step of next-token training: forward in train mode, loss, fresh gradients, clip
     their global norm to `grad_clip` (None: no clipping), update; returns the loss.
 
-    Course: chapter 6, exercise 6.9, checked by checks.gpt2.check_train_step.
+    Course: chapter 6, exercise 6.11, checked by checks.gpt2.check_train_step.
     """
     model.train()
     loss = lm_loss(model(tokens), targets)

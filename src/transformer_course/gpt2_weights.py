@@ -21,6 +21,20 @@ from transformer_course import validate
 __all__ = ["convert_hf_gpt2_state_dict"]
 
 
+# Ours -> Hugging Face's, within one block: the parameters that only change name.
+RENAMED = {
+    "attn.b_O": "attn.c_proj.bias",
+    "ln1.w": "ln_1.weight",
+    "ln1.b": "ln_1.bias",
+    "ln2.w": "ln_2.weight",
+    "ln2.b": "ln_2.bias",
+    "mlp.W_in": "mlp.c_fc.weight",
+    "mlp.b_in": "mlp.c_fc.bias",
+    "mlp.W_out": "mlp.c_proj.weight",
+    "mlp.b_out": "mlp.c_proj.bias",
+}
+
+
 def convert_hf_gpt2_state_dict(
     hf_state_dict: Mapping[str, Tensor], *, n_layers: int, n_heads: int
 ) -> dict[str, Tensor]:
@@ -46,36 +60,21 @@ def convert_hf_gpt2_state_dict(
         "unembed.b_U": lm_head.new_zeros(lm_head.shape[0]),
     }
     for layer in range(n_layers):
-        state.update(_convert_block(hf, f"transformer.h.{layer}.", f"blocks.{layer}.", n_heads))
-    return state
-
-
-def _convert_block(hf: Mapping[str, Tensor], src: str, dst: str, n_heads: int) -> dict[str, Tensor]:
-    """One transformer block: Hugging Face's keys under `src`, ours under `dst`."""
-    state = {}
-    # c_attn holds [Q | K | V] along its output dimension, each (d_model, n_heads * d_head).
-    weights = hf[src + "attn.c_attn.weight"].chunk(3, dim=1)
-    biases = hf[src + "attn.c_attn.bias"].chunk(3, dim=0)
-    for name, weight, bias in zip("QKV", weights, biases):
-        state[f"{dst}attn.W_{name}"] = einops.rearrange(
-            weight, "d_model (head d_head) -> head d_model d_head", head=n_heads
+        src, dst = f"transformer.h.{layer}.", f"blocks.{layer}."
+        state.update({dst + ours: hf[src + theirs] for ours, theirs in RENAMED.items()})
+        # c_attn holds [Q | K | V] along its output dimension, each (d_model, n_heads * d_head).
+        weights = hf[src + "attn.c_attn.weight"].chunk(3, dim=1)
+        biases = hf[src + "attn.c_attn.bias"].chunk(3, dim=0)
+        for name, weight, bias in zip("QKV", weights, biases):
+            state[f"{dst}attn.W_{name}"] = einops.rearrange(
+                weight, "d_model (head d_head) -> head d_model d_head", head=n_heads
+            )
+            state[f"{dst}attn.b_{name}"] = einops.rearrange(
+                bias, "(head d_head) -> head d_head", head=n_heads
+            )
+        state[dst + "attn.W_O"] = einops.rearrange(
+            hf[src + "attn.c_proj.weight"],
+            "(head d_head) d_model -> head d_head d_model",
+            head=n_heads,
         )
-        state[f"{dst}attn.b_{name}"] = einops.rearrange(
-            bias, "(head d_head) -> head d_head", head=n_heads
-        )
-    state[dst + "attn.W_O"] = einops.rearrange(
-        hf[src + "attn.c_proj.weight"], "(head d_head) d_model -> head d_head d_model", head=n_heads
-    )
-    state[dst + "attn.b_O"] = hf[src + "attn.c_proj.bias"]
-    renamed = {
-        "ln1.w": "ln_1.weight",
-        "ln1.b": "ln_1.bias",
-        "ln2.w": "ln_2.weight",
-        "ln2.b": "ln_2.bias",
-        "mlp.W_in": "mlp.c_fc.weight",
-        "mlp.b_in": "mlp.c_fc.bias",
-        "mlp.W_out": "mlp.c_proj.weight",
-        "mlp.b_out": "mlp.c_proj.bias",
-    }
-    state.update({dst + ours: hf[src + theirs] for ours, theirs in renamed.items()})
     return state

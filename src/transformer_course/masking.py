@@ -50,7 +50,7 @@ def padding_mask(
     return (tokens != pad_id)[:, None, None, :]
 
 
-def combine_masks(*masks: Bool[Tensor, ...] | None) -> Bool[Tensor, ...] | None:
+def combine_masks(*masks: Bool[Tensor, "..."] | None) -> Bool[Tensor, "..."] | None:  # noqa: UP037
     """AND boolean masks together with broadcasting; `None` means "no restriction".
 
     `combine_masks(causal_mask(T), padding_mask(tokens, pad))` is `(batch, 1, T, T)`:

@@ -32,7 +32,7 @@ import torch
 from transformer_course import validate
 from transformer_course.files import atomic_write
 
-__all__ = ["Part", "keep", "load_parts", "parts_of"]
+__all__ = ["Part", "keep", "load_parts", "parts_of", "whose_parts"]
 
 FOLDER_ENV = "TRANSFORMER_COURSE_PARTS"
 COURSE_LINE = re.compile(r"exercise (\d+)\.(\d+), checked by checks\.(\w+)\.(\w+)")
@@ -185,4 +185,21 @@ def load_parts(
             namespace[part.name] = part.course
         whose[part.name] = "yours" if why is None else f"the course's ({why})"
         print(f"{part.number:>5} {part.name:<30} {whose[part.name]}")
+    return whose
+
+
+def whose_parts(namespace: dict[str, Any], chapter: int) -> dict[str, str]:
+    """Whose each part of chapters 1 to `chapter` in `namespace` is: yours (written in your
+    workbooks) or the course's. Prints the table and a count, and returns it.
+
+    Course: chapter 1.
+    """
+    validate.integer("chapter", chapter, low=1)
+    whose = {}
+    for part in (p for p in parts_of() if p.chapter <= chapter):
+        mine = part.name in namespace and namespace[part.name] is not part.course
+        whose[part.name] = "yours" if mine else "the course's"
+        print(f"{part.number:>5} {part.name:<30} {whose[part.name]}")
+    yours = sum(w == "yours" for w in whose.values())
+    print(f"{yours} of {len(whose)} parts are yours")
     return whose

@@ -156,7 +156,8 @@ def encode_chunk(
     pair_ranks = [ranks.get(pair, never) for pair in zip(ids, ids[1:])]
     while pair_ranks and (best := min(pair_ranks)) < never:
         i = pair_ranks.index(best)
-        ids[i] = new = merges[ids[i], ids.pop(i + 1)]
+        new = merges[ids[i], ids[i + 1]]
+        ids[i : i + 2] = [new]
         del pair_ranks[i]  # only the pairs on either side of the new token change
         if i > 0:
             pair_ranks[i - 1] = ranks.get((ids[i - 1], new), never)

@@ -175,7 +175,7 @@ def inverse_sqrt_lr(step: int, *, lr: float, warmup_steps: int) -> float:
     The paper writes it as `d_model**-0.5 * min(n**-0.5, n * warmup**-1.5)` with `n = step + 1`;
     that is this function with `lr = (d_model * warmup_steps) ** -0.5`.
 
-    Course: chapter 5, exercise 5.7, checked by checks.translation.check_inverse_sqrt_lr.
+    Course: chapter 5, exercise 5.8, checked by checks.translation.check_inverse_sqrt_lr.
     """
     n = step + 1
     warmup = max(1, warmup_steps)
@@ -655,7 +655,7 @@ def sample_batch(
     Every window whose targets fit in `data` can be drawn, each with the same probability;
     `generator` makes the draw repeatable.
 
-    Course: chapter 6, exercise 6.10, checked by checks.gpt2.check_sample_batch.
+    Course: chapter 6, exercise 6.8, checked by checks.gpt2.check_sample_batch.
     """
     validate.positive_int("batch_size", batch_size)
     validate.positive_int("n_ctx", n_ctx)
