@@ -4,17 +4,22 @@ reference) and valid alternatives pass."""
 
 from __future__ import annotations
 
+import copy
 import math
 
+import einops
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from transformer_course.attention import scaled_dot_product_attention
-from transformer_course.blocks import ACTIVATIONS, MLP, TransformerBlock
+from transformer_course.blocks import ACTIVATIONS, MLP
+from transformer_course.checks import gpt2 as checks_gpt2
 from transformer_course.checks.gpt2 import (
+    check_cosine_lr,
     check_embed,
+    check_estimate_loss,
     check_generate,
     check_gpt2_forward,
     check_kv_cache,
@@ -22,9 +27,10 @@ from transformer_course.checks.gpt2 import (
     check_pos_embed,
     check_sample_batch,
     check_top_p_filter,
+    check_train_loop,
     check_train_step,
-    check_transformer_block,
     check_unembed,
+    check_weight_conversion,
 )
 from transformer_course.checks.harness import CheckFailure
 from transformer_course.gpt2 import (
@@ -35,11 +41,13 @@ from transformer_course.gpt2 import (
     forward_with_cache,
     generate,
     top_p_filter,
+    train_loop,
     train_step,
 )
-from transformer_course.masking import causal_mask, combine_masks
+from transformer_course.gpt2_weights import convert_hf_gpt2_state_dict
+from transformer_course.masking import causal_mask
 from transformer_course.runtime import evaluating
-from transformer_course.training import sample_batch
+from transformer_course.training import History, cosine_lr, estimate_loss, sample_batch
 
 
 def fails(check, candidate, *words: str) -> None:
@@ -672,67 +680,290 @@ def test_mlp_alternative_passes():
     check_mlp(EinsumMLP)
 
 
-# The transformer block.
+# Hugging Face's weights.
 
 
-def block_with(forward):
-    return type("LearnerBlock", (TransformerBlock,), {"forward": forward})
+def _convert(*, transpose=False, order="QKV", heads="(head d)", drop=()):
+    """A conversion written out as a learner would, with one thing wrong at a time: Conv1D
+    weights transposed, c_attn's thirds in another `order`, the heads split as `heads`, and the
+    keys whose names contain one of `drop` left out."""
+
+    def convert(hf, *, n_layers, n_heads):
+        conv = (lambda w: w.T) if transpose else (lambda w: w)
+        split = lambda t, pattern: einops.rearrange(t, pattern.replace("H", heads), head=n_heads)
+        state = {
+            "embed.W_E": hf["transformer.wte.weight"],
+            "pos_embed.W_pos": hf["transformer.wpe.weight"],
+            "ln_final.w": hf["transformer.ln_f.weight"],
+            "ln_final.b": hf["transformer.ln_f.bias"],
+            "unembed.W_U": hf["lm_head.weight"].T,
+            "unembed.b_U": torch.zeros_like(hf["lm_head.weight"][:, 0]),
+        }
+        for i in range(n_layers):
+            src, dst = f"transformer.h.{i}.", f"blocks.{i}."
+            weights = dict(zip(order, map(conv, hf[src + "attn.c_attn.weight"].chunk(3, dim=1))))
+            biases = dict(zip(order, hf[src + "attn.c_attn.bias"].chunk(3)))
+            for x in "QKV":
+                state[f"{dst}attn.W_{x}"] = split(weights[x], "m H -> head m d")
+                state[f"{dst}attn.b_{x}"] = split(biases[x], "H -> head d")
+            state[dst + "attn.W_O"] = split(conv(hf[src + "attn.c_proj.weight"]), "H m -> head d m")
+            state[dst + "attn.b_O"] = hf[src + "attn.c_proj.bias"]
+            for ours, theirs in (("ln1", "ln_1"), ("ln2", "ln_2")):
+                state[f"{dst}{ours}.w"] = hf[f"{src}{theirs}.weight"]
+                state[f"{dst}{ours}.b"] = hf[f"{src}{theirs}.bias"]
+            for ours, theirs in (("in", "c_fc"), ("out", "c_proj")):
+                state[f"{dst}mlp.W_{ours}"] = conv(hf[f"{src}mlp.{theirs}.weight"])
+                state[f"{dst}mlp.b_{ours}"] = hf[f"{src}mlp.{theirs}.bias"]
+        return {k: v for k, v in state.items() if not any(part in k for part in drop)}
+
+    return convert
 
 
-def _sublayers(
-    self, resid, mask, *, causal=True, pre_ln=True, keep_stream=True, residual=True, drop=True
-):
-    """A block forward pass with one knob turned wrong at a time."""
-    if causal:
-        mask = combine_masks(causal_mask(resid.shape[1]), mask)
-    dropout = self.dropout if drop else (lambda t: t)
-    resid = self.hook_resid_pre(resid)
-    if pre_ln if self.norm == "pre" else not pre_ln:
-        stream = resid if keep_stream else self.ln1(resid)
-        attn_out = self.hook_attn_out(dropout(self.attn(self.ln1(resid), mask=mask)))
-        resid = self.hook_resid_mid((stream if residual else 0) + attn_out)
-        mlp_out = self.hook_mlp_out(dropout(self.mlp(self.ln2(resid))))
-        return self.hook_resid_post((resid if residual else 0) + mlp_out)
-    attn_out = self.hook_attn_out(dropout(self.attn(resid, mask=mask)))
-    resid = self.hook_resid_mid(self.ln1(resid + attn_out))
-    mlp_out = self.hook_mlp_out(dropout(self.mlp(resid)))
-    return self.hook_resid_post(self.ln2(resid + mlp_out))
+def test_weight_conversion_reference_and_a_written_out_one_pass(capsys):
+    check_weight_conversion(convert_hf_gpt2_state_dict)
+    check_weight_conversion(_convert())
+    assert capsys.readouterr().out.count("passes every check") == 2
 
 
 @pytest.mark.parametrize(
     ("knob", "words"),
     [
-        ({"causal": False}, ["causal=True"]),
-        ({"pre_ln": False}, ["this is post-LN"]),
-        ({"keep_stream": False}, ["residual stream itself"]),
-        ({"residual": False}, ["a residual connection is missing"]),
-        ({"drop": False}, ["dropout=0.3", "train mode"]),
+        ({"transpose": True}, ["W_Q", "don't transpose"]),
+        ({"order": "KQV"}, ["`W_Q` holds c_attn's K part", "[Q | K | V]"]),
+        ({"order": "QVK"}, ["`W_K` holds c_attn's V part"]),
+        ({"heads": "(d head)"}, ["W_Q", "(head d_head), heads outermost"]),
+        ({"drop": ("attn.b_", "mlp.b_")}, ["missing", "every bias counts"]),
+        ({"drop": (".ln",)}, ["missing", "layer norms have gains and biases"]),
+        ({"drop": ("unembed",)}, ["unembed.W_U", "tied to its embedding"]),
     ],
 )
-def test_transformer_block_bugs_are_named(knob, words):
-    forward = block_with(lambda self, resid, mask=None: _sublayers(self, resid, mask, **knob))
-    fails(check_transformer_block, forward, *words)
+def test_weight_conversion_mistakes_are_named(knob, words):
+    fails(check_weight_conversion, _convert(**knob), *words)
 
 
-def test_transformer_block_that_ignores_its_mask_or_hooks_is_caught():
-    forward = block_with(lambda self, resid, mask=None: _sublayers(self, resid, None))
-    fails(check_transformer_block, forward, "a padding mask", "ignored")
+def test_weight_conversion_with_an_untransposed_lm_head_or_float32_is_named():
+    def lm_head_as_is(hf, *, n_layers, n_heads):
+        state = convert_hf_gpt2_state_dict(hf, n_layers=n_layers, n_heads=n_heads)
+        return {**state, "unembed.W_U": hf["lm_head.weight"]}
 
-    def unhooked(self, resid, mask=None):
-        mask = combine_masks(causal_mask(resid.shape[1]), mask)
-        resid = resid + self.dropout(self.attn(self.ln1(resid), mask=mask))
-        return resid + self.dropout(self.mlp(self.ln2(resid)))
+    fails(check_weight_conversion, lm_head_as_is, "unembed.W_U", "lm_head.weight transposed")
 
-    fails(check_transformer_block, block_with(unhooked), "hook_resid_pre", "never received")
+    def float32(hf, *, n_layers, n_heads):
+        state = convert_hf_gpt2_state_dict(hf, n_layers=n_layers, n_heads=n_heads)
+        return {k: v.float() for k, v in state.items()}
+
+    fails(check_weight_conversion, float32, "float32 tensor", "dtype")
+
+    def blank(hf, *, n_layers, n_heads):
+        raise NotImplementedError("Exercise 6.12: convert the weights")
+
+    fails(check_weight_conversion, blank, "not implemented", "Exercise 6.12")
 
 
-def test_transformer_block_reference_explicit_mask_alternative_and_blank():
-    check_transformer_block(TransformerBlock)
-    check_transformer_block(
-        block_with(lambda self, resid, mask=None: _sublayers(self, resid, mask))
-    )
+# The validation loss.
 
-    def blank(self, resid, mask=None):
-        raise NotImplementedError("Exercise 6.5: write TransformerBlock.forward")
 
-    fails(check_transformer_block, block_with(blank), "not implemented", "Exercise 6.5")
+def _estimate(*, evaluate=True, no_grad=True, restore=True, mean=True, batches=None, own=True):
+    """An estimate_loss written out, with one thing wrong at a time."""
+
+    def estimate(model, data, *, batch_size, n_ctx, n_batches, generator=None):
+        was_training = model.training
+        if evaluate:
+            model.eval()
+        with torch.set_grad_enabled(not no_grad):
+            losses = [
+                F.cross_entropy(model(x).flatten(0, 1), y.flatten()).item()
+                for x, y in (
+                    sample_batch(data, batch_size, n_ctx, generator=generator if own else None)
+                    for _ in range(batches or n_batches)
+                )
+            ]
+        if restore:
+            model.train(was_training)
+        elif evaluate:
+            model.train()
+        return sum(losses) / (len(losses) if mean else 1)
+
+    return estimate
+
+
+def test_estimate_loss_reference_and_a_written_out_one_pass(capsys):
+    check_estimate_loss(estimate_loss)
+    check_estimate_loss(_estimate())
+    assert capsys.readouterr().out.count("passes every check") == 2
+
+
+@pytest.mark.parametrize(
+    ("knob", "words"),
+    [
+        ({"evaluate": False}, ["train mode", "dropout", "evaluating(model)"]),
+        ({"no_grad": False}, ["gradients were tracked", "torch.no_grad()"]),
+        ({"restore": False}, ["came in eval mode and left in train mode", "restore"]),
+        ({"mean": False}, ["n_batches=3", "take their mean"]),
+        ({"batches": 1}, ["n_batches=3", "not just the first"]),
+        ({"own": False}, ["generator=generator"]),
+    ],
+)
+def test_estimate_loss_mistakes_are_named(knob, words):
+    fails(check_estimate_loss, _estimate(**knob), *words)
+
+
+def test_estimate_loss_that_returns_a_tensor_is_named():
+    def tensor(model, data, **options):
+        return torch.tensor(estimate_loss(model, data, **options))
+
+    fails(check_estimate_loss, tensor, "returned a float32 tensor", "item()")
+
+
+# The cosine schedule.
+
+
+def _cosine(*, warm=1, ahead=0, floor=True, clamp=True, period=1.0):
+    def cosine(step, *, lr, warmup_steps, max_steps, min_lr=0.0):
+        if step < warmup_steps:
+            return lr * (step + warm) / warmup_steps
+        progress = (step - warmup_steps + ahead) / max(1, max_steps - warmup_steps)
+        progress = min(progress, 1.0) if clamp else progress
+        low = min_lr if floor else 0.0
+        return low + (lr - low) * (1 + math.cos(period * math.pi * progress)) / 2
+
+    return cosine
+
+
+def test_cosine_lr_reference_and_a_written_out_one_pass(capsys):
+    check_cosine_lr(cosine_lr)
+    check_cosine_lr(_cosine())
+    assert capsys.readouterr().out.count("passes every check") == 2
+
+
+@pytest.mark.parametrize(
+    ("knob", "words"),
+    [
+        ({"warm": 0}, ["at step 0", "steps count from 0"]),
+        ({"ahead": 1}, ["(step - warmup_steps) / (max_steps - warmup_steps)"]),
+        ({"floor": False}, ["decay to min_lr, not to zero"]),
+        ({"clamp": False}, ["at step 11", "clamp the progress"]),
+        ({"period": 2.0}, ["half a cosine"]),
+    ],
+)
+def test_cosine_lr_mistakes_are_named(knob, words):
+    fails(check_cosine_lr, _cosine(**knob), *words)
+
+
+def test_cosine_lr_that_divides_by_a_zero_warmup_or_returns_a_tensor_is_named():
+    def divides(step, *, lr, warmup_steps, max_steps, min_lr=0.0):
+        warm = min(1.0, (step + 1) / warmup_steps)  # ZeroDivisionError without a warmup
+        options = dict(lr=lr, warmup_steps=warmup_steps, max_steps=max_steps, min_lr=min_lr)
+        return cosine_lr(step, **options) if warm == 1.0 else lr * warm
+
+    fails(check_cosine_lr, divides, "warmup_steps=0", "ZeroDivisionError")
+
+    def tensor(step, **options):
+        return torch.tensor(cosine_lr(step, **options))
+
+    fails(check_cosine_lr, tensor, "returned a float32 tensor", "return a float")
+
+
+# The training loop.
+
+
+def _loop(
+    *,
+    zero=True,
+    lr_shift=0,
+    lr_late=False,
+    groups="all",
+    clip="before",
+    best="copy",
+    evals="",
+    train=True,
+):
+    """A train_loop written out (no train_step), with one thing wrong at a time."""
+
+    def loop(model, optimizer, get_batch, evaluate, *, max_steps, lr_at, eval_every, grad_clip=1.0):
+        history = History()
+        for step in range(max_steps):
+            if not lr_late:
+                for group in optimizer.param_groups[: 1 if groups == "first" else None]:
+                    group["lr"] = lr_at(step + lr_shift)
+            if train:
+                model.train()
+            tokens, targets = get_batch(step)
+            loss = F.cross_entropy(model(tokens).flatten(0, 1), targets.flatten())
+            if zero:
+                optimizer.zero_grad()
+            loss.backward()
+            if clip == "before" and grad_clip is not None:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
+            optimizer.step()
+            if clip == "after" and grad_clip is not None:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
+            if lr_late:
+                for group in optimizer.param_groups:
+                    group["lr"] = lr_at(step)
+            history.step.append(step)
+            history.train_loss.append(loss.item())
+            history.lr.append(lr_at(step))
+            due = step % eval_every == 0 if evals == "from_zero" else (step + 1) % eval_every == 0
+            if due or (evals != "no_final" and step + 1 == max_steps):
+                if not train:
+                    model.eval()  # and never back to train mode
+                val_loss = evaluate(model)
+                history.evals.append({"step": step + 1, "val_loss": val_loss})
+                if best == "last" or not history.best or val_loss < history.best["val_loss"]:
+                    history.best = {"step": step + 1, "val_loss": val_loss}
+                    state = model.state_dict()
+                    history.best_state = state if best == "live" else copy.deepcopy(state)
+        return history
+
+    return loop
+
+
+def test_train_loop_reference_and_a_written_out_one_pass(capsys):
+    check_train_loop(train_loop)
+    check_train_loop(_loop())
+    assert capsys.readouterr().out.count("passes every check") == 2
+
+
+@pytest.mark.parametrize(
+    ("knob", "words"),
+    [
+        ({"zero": False}, ["gradients accumulated", "zero_grad()"]),
+        ({"lr_shift": 1}, ["rate the optimizer used at step 0", "not lr_at(step + 1)"]),
+        ({"lr_late": True}, ["rate the optimizer used at step 0", "before the step"]),
+        ({"groups": "first"}, ["parameter groups", "every group"]),
+        ({"clip": "after"}, ["grad_clip=0.05", "before optimizer.step()"]),
+        ({"clip": "never"}, ["grad_clip=0.05", "before optimizer.step()"]),
+        ({"best": "live"}, ["best_state", ".clone()"]),
+        ({"best": "last"}, ["History.best", "not the last"]),
+        ({"evals": "no_final"}, ["evaluation", "after the last step too"]),
+        ({"evals": "from_zero"}, ["evaluation 0: expected 3, got 1", "(step + 1) % eval_every"]),
+        ({"train": False}, ["eval mode, without dropout", "model.train()"]),
+    ],
+)
+def test_train_loop_mistakes_are_named(knob, words):
+    fails(check_train_loop, _loop(**knob), *words)
+
+
+def test_train_loop_that_drops_grad_clip_is_named():
+    def default_clip(model, optimizer, get_batch, evaluate, **options):
+        options.pop("grad_clip")
+        return train_loop(model, optimizer, get_batch, evaluate, **options)  # clips at 1.0
+
+    fails(check_train_loop, default_clip, "grad_clip=0.05", "before optimizer.step()")
+
+
+def test_train_loop_evaluates_in_eval_mode_when_the_reference_does(monkeypatch):
+    """The reference hands `evaluate` the model in train mode (its `evaluate` switches modes
+    itself); where it evaluates in eval mode, a loop that does not is named."""
+
+    def evaluating_reference(model, optimizer, get_batch, evaluate, **options):
+        def in_eval_mode(model):
+            with evaluating(model):
+                return evaluate(model)
+
+        return train_loop(model, optimizer, get_batch, in_eval_mode, **options)
+
+    monkeypatch.setattr(checks_gpt2, "train_loop", evaluating_reference)
+    check_train_loop(evaluating_reference)
+    fails(check_train_loop, train_loop, "evaluated in train mode", "evaluating(model)")

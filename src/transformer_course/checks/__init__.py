@@ -1,10 +1,5 @@
-"""Exercise checkers: each compares a learner's function or class with the course's reference.
-
-One module per chapter's workbook (`checks.tokenization` for `01_tokenization`, ...,
-`checks.translation`, `checks.gpt2`), all built from `checks.harness`. A checker prints one line
-saying the exercise passes, or raises `CheckFailure` with a hint naming the likely mistake; in a
-notebook the message shows alone, never the checker's code.
-"""
+"""Exercise checkers, one module per chapter's workbook, built from `checks.harness`: each prints
+that the learner's code passes or raises `CheckFailure` with a hint naming the likely mistake."""
 
 from transformer_course.checks.attention import check_attention_scores as check_attention_scores
 from transformer_course.checks.attention import (
@@ -14,7 +9,9 @@ from transformer_course.checks.attention import (
     check_scaled_dot_product_attention as check_scaled_dot_product_attention,
 )
 from transformer_course.checks.gpt2 import check_against_huggingface as check_against_huggingface
+from transformer_course.checks.gpt2 import check_cosine_lr as check_cosine_lr
 from transformer_course.checks.gpt2 import check_embed as check_embed
+from transformer_course.checks.gpt2 import check_estimate_loss as check_estimate_loss
 from transformer_course.checks.gpt2 import check_generate as check_generate
 from transformer_course.checks.gpt2 import check_gpt2_forward as check_gpt2_forward
 from transformer_course.checks.gpt2 import check_kv_cache as check_kv_cache
@@ -22,9 +19,10 @@ from transformer_course.checks.gpt2 import check_mlp as check_mlp
 from transformer_course.checks.gpt2 import check_pos_embed as check_pos_embed
 from transformer_course.checks.gpt2 import check_sample_batch as check_sample_batch
 from transformer_course.checks.gpt2 import check_top_p_filter as check_top_p_filter
+from transformer_course.checks.gpt2 import check_train_loop as check_train_loop
 from transformer_course.checks.gpt2 import check_train_step as check_train_step
-from transformer_course.checks.gpt2 import check_transformer_block as check_transformer_block
 from transformer_course.checks.gpt2 import check_unembed as check_unembed
+from transformer_course.checks.gpt2 import check_weight_conversion as check_weight_conversion
 from transformer_course.checks.harness import CheckFailure as CheckFailure
 from transformer_course.checks.layernorm import check_layernorm as check_layernorm
 from transformer_course.checks.layernorm import check_rmsnorm as check_rmsnorm

@@ -28,15 +28,11 @@ from transformer_course.masking import causal_mask, combine_masks, padding_mask
 
 SCALE_HINT = "divide the scores by sqrt(d_head): without it the softmax saturates as d_head grows."
 KEYS_HINT = "take the softmax over keys, the last dim (`dim=-1`): each query's weights sum to one."
-NAN_HINT = (
-    "a query with no allowed key must give zeros, not NaN: fill forbidden scores with a large "
-    "finite negative number (`torch.finfo(dtype).min`, not -inf) and zero those rows after the "
-    "softmax (`masked_softmax` from chapter 3 does both)."
-)
+NAN_HINT = "a query with no allowed key must give zeros, not NaN: fill forbidden scores with "
+NAN_HINT += "`torch.finfo(dtype).min` (not -inf) and zero those rows after the softmax."
 NO_MASK_HINT = "`mask` defaults to None, which means every query sees every key: skip the masking."
 HOOK_HINTS = {
-    "hook_q": "q = einsum(x, W_Q, 'batch pos d_model, head d_model d_head -> batch pos head "
-    "d_head') + b_Q.",
+    "hook_q": "q = einsum(x, W_Q, 'batch pos d_model, head d_model d_head -> ...') + b_Q.",
     "hook_k": "keys come from the context (x for self-attention), projected with W_K and b_K.",
     "hook_v": "values come from the context (x for self-attention), projected with W_V and b_V.",
     "hook_attn_scores": "scores are q k^T / sqrt(d_head), shape (batch, head, q_pos, k_pos).",
@@ -61,8 +57,6 @@ def check_attention_scores(fn: Callable) -> None:
     """`attention_scores(q, k)`: q k^T / sqrt(d_head), shape (..., q_pos, k_pos)."""
     name, (q, k, _) = "attention_scores", _qkv(4, 6, 16, 16)
     expected, actual = attention.attention_scores(q, k), call(name, fn, q, k)
-    rows = "one row per query: einsum '... q_pos d_head, ... k_pos d_head -> ... q_pos k_pos'."
-    expect(shape_of(actual) != (2, 3, 6, 4), name, "got shape (..., k_pos, q_pos).", rows)
     root = "divide by the square root of d_head, not d_head itself."
     hint, mistakes = "dot every query with every key, then scale.", {SCALE_HINT: expected * 4}
     expect_close(actual, expected, name, hint, atol=1e-8, mistakes={**mistakes, root: expected / 4})
@@ -70,8 +64,7 @@ def check_attention_scores(fn: Callable) -> None:
 
 
 def _expect_pattern(where: str, pattern, allowed, nan_hint: str, leak_hint: str) -> None:
-    """A pattern (..., q_pos, k_pos) of weights over the keys `allowed` lets each query see: the
-    mask's convention, no NaN, rows that sum to one, no weight on a forbidden key."""
+    """Weights over the keys `allowed`: the mask's convention, finite, rows summing to one."""
     expect_mask_not_inverted(where, pattern, allowed)
     expect(bool(pattern.isfinite().all()), where, "the pattern contains NaN or inf.", nan_hint)
     sums = pattern.detach().sum(-1)[allowed.any(-1)]
@@ -82,29 +75,29 @@ def _expect_pattern(where: str, pattern, allowed, nan_hint: str, leak_hint: str)
 
 
 def _expect_attention(fn: Callable, where: str, q, k, v, mask, large: bool = False) -> None:
-    """One call of the learner's attention, compared step by step with the reference."""
-    result = call(where, fn, q, k, v, mask, hint="" if mask is not None else NO_MASK_HINT)
+    """One call of the learner's attention (no mask argument when `mask` is None), step by step."""
+    args, hint = (
+        (q, k, v) if mask is None else (q, k, v, mask),
+        NO_MASK_HINT if mask is None else "",
+    )
+    result = call(where, fn, *args, hint=hint)
     expect(isinstance(result, tuple) and len(result) == 2, where, "expected (out, pattern).")
-    (out, pattern), reference = result, attention.scaled_dot_product_attention(q, k, v, mask)
-    expected_out, expected = reference
+    (out, pattern), (expected_out, expected) = result, attention.scaled_dot_product_attention(*args)
     problem = f"expected the pattern's shape {tuple(expected.shape)}, got {shape_of(pattern)}."
     expect(shape_of(pattern) == expected.shape, where, problem)
     allowed = torch.ones_like(expected, dtype=torch.bool) if mask is None else mask
     leak = "apply the mask to the scores before the softmax (True = may attend)."
-    _expect_pattern(
-        where, pattern, allowed.expand_as(expected), OVERFLOW_HINT if large else NAN_HINT, leak
-    )
+    hint = OVERFLOW_HINT if large else NAN_HINT
+    _expect_pattern(where, pattern, allowed.expand_as(expected), hint, leak)
     hint = OVERFLOW_HINT if large else "softmax(q k^T / sqrt(d_head)) over keys."
-    unscaled = attention.scaled_dot_product_attention(q * math.sqrt(q.shape[-1]), k, v, mask)[1]
+    unscaled = attention.scaled_dot_product_attention(q * math.sqrt(q.shape[-1]), *args[1:])[1]
     mistakes, where_pattern = {SCALE_HINT: unscaled}, f"{where}, pattern"
     expect_close(pattern, expected, where_pattern, hint, atol=1e-8, mistakes=mistakes)
     expect_close(out, expected_out, f"{where}, output", "the output is pattern @ v.", atol=1e-8)
 
 
 def check_scaled_dot_product_attention(fn: Callable) -> None:
-    """`scaled_dot_product_attention(q, k, v, mask=None) -> (out, pattern)`: without a mask,
-    with causal and padding masks, with a query that may attend to nothing, with scores large
-    enough to overflow a naive exp, called without a mask, and in float16."""
+    """`scaled_dot_product_attention(q, k, v, mask=None) -> (out, pattern)`, every mask, float16."""
     name, empty = "scaled_dot_product_attention", torch.ones(4, 4, dtype=torch.bool)
     empty[1], padding = False, padding_mask(torch.tensor([[1, 2, 3, 0, 0], [1, 2, 3, 4, 5]]), 0)
     for label, qkv, mask in [
@@ -117,10 +110,6 @@ def check_scaled_dot_product_attention(fn: Callable) -> None:
         _expect_attention(fn, f"{name} ({label})", *qkv, mask)
     large = _qkv(4, 6, 8, 8, seed=6, scale=30.0)
     _expect_attention(fn, f"{name} (scores in the thousands)", *large, causal_mask(4, 6), True)
-    (q, k, v), where = _qkv(3, 5, 8, 8, seed=5), f"{name} (called without a mask)"
-    out = call(where, fn, q, k, v, hint=NO_MASK_HINT)[0]
-    expected = attention.scaled_dot_product_attention(q, k, v)[0]
-    expect_close(out, expected, where, NO_MASK_HINT, atol=1e-8)
     q, k, v = (t.half() for t in _qkv(4, 5, 8, 8, seed=7))
     result, where = call(name, fn, q, k, v, causal_mask(4, 5)), f"{name} (float16 inputs)"
     dtypes = [getattr(t, "dtype", None) for t in result]
@@ -144,27 +133,8 @@ class _Calls(TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
-def _expect_parameters(name: str, cls: type) -> None:
-    """TransformerLens names and shapes; GPT-2's initialisation."""
-    torch.manual_seed(0)
-    module, reference = call(name, cls, 64, 4), attention.MultiHeadAttention(64, 4)
-    shapes = {n: tuple(p.shape) for n, p in module.named_parameters()}
-    expected = {n: tuple(p.shape) for n, p in reference.named_parameters()}
-    hint = "use TransformerLens names and shapes: W_Q is (n_heads, d_model, d_head), W_O is "
-    hint += "(n_heads, d_head, d_model)."
-    expect(shapes == expected, name, f"expected parameters {expected}, got {shapes}.", hint)
-    for bias in ("b_Q", "b_K", "b_V", "b_O"):
-        value, hint = getattr(module, bias), "initialise biases to zero, as GPT-2 does."
-        problem = "the bias starts at one." if value.eq(1).all() else "the bias is not zero."
-        expect(not value.any(), f"{name}.{bias}", problem, hint)
-    for weight in ("W_Q", "W_K", "W_V", "W_O"):
-        std, hint = getattr(module, weight).std().item(), "use nn.init.normal_(w, std=0.02)."
-        expect(0.015 < std < 0.025, f"{name}.{weight}", f"its std is {std:.3g}, not 0.02.", hint)
-
-
 def _forward_cases() -> list[tuple[str, tuple, dict]]:
-    """(label, args, kwargs) for the learner's forward: self- and cross-attention, every mask
-    argument, and the optional ones left out."""
+    """(label, args, kwargs): self- and cross-attention, every mask argument, none."""
     x, context = randn(2, 6, 16, seed=2), randn(2, 8, 16, seed=3)
     padding = padding_mask(torch.tensor([[4, 5, 6, 7, 8, 9, 1, 2], [3, 4, 5, 0, 0, 0, 0, 0]]), 0)
     empty = torch.ones(2, 1, 6, 8, dtype=torch.bool)
@@ -200,69 +170,67 @@ def _expect_hook(stage: str, hook: str, actual, cache: dict, allowed, hint: str)
     expect(False, stage, "differs from the reference.", hint)
 
 
-def _expect_forward(name: str, module: torch.nn.Module, reference) -> None:
-    """Every forward case, hook by hook, then the output."""
+def _expect_forward(name: str, module: torch.nn.Module, reference, fast: bool) -> None:
+    """Every forward case, fused (`fast`) or hook by hook, then the output."""
+    module.fast_path = fast
     for label, args, kwargs in _forward_cases():
-        where, causal = f"{name} ({label})", kwargs.get("causal", False)
+        if fast and "no allowed key" in label:  # SDPA's rows with no allowed key are NaN
+            continue
+        where, causal = f"{name}(fast_path={fast}), {label}", kwargs.get("causal", False)
         hint = "compare each step with the reference using run_with_cache."
-        hint = CAUSAL_HINT if causal else hint if "mask" in kwargs else NO_MASK_HINT
+        hint = CAUSAL_HINT if causal else hint if kwargs else NO_MASK_HINT
         expected, ref_cache = reference.run_with_cache(*args, **kwargs)
-        actual, cache = call(where, module.run_with_cache, *args, hint=hint, **kwargs)
+        with _Calls() as calls:
+            actual, cache = call(where, module.run_with_cache, *args, hint=hint, **kwargs)
         shape = ref_cache["hook_pattern"].shape
         allowed = combine_masks(causal_mask(*shape[-2:]) if causal else None, kwargs.get("mask"))
         allowed = torch.ones(shape, dtype=torch.bool) if allowed is None else allowed.expand(shape)
         expect_mask_not_inverted(f"{where}, hook_pattern", cache.get("hook_pattern"), allowed)
-        for hook, hook_hint in HOOK_HINTS.items():
-            pattern_hook = hook in ("hook_attn_scores", "hook_pattern")
+        for hook, hook_hint in HOOK_HINTS.items() if not fast else ():
+            pattern_hook, stage = hook in ("hook_attn_scores", "hook_pattern"), f"{where}, {hook}"
             never = FAST_PATH_HINTS[False] if pattern_hook else hook_hint
-            stage = f"{where}, {hook}"
             expect(hook in cache, stage, "this hook point never received a tensor.", never)
             if hook == "hook_pattern":
-                hook_hint = (
-                    CAUSAL_HINT if causal else "a padding mask (batch, 1, 1, k_pos) hides keys."
-                )
+                hook_hint = "a padding mask (batch, 1, 1, k_pos) hides keys."
+                hook_hint = CAUSAL_HINT if causal else hook_hint
             elif len(args) > 1 and hook in ("hook_k", "hook_v"):
                 hook_hint = "in cross-attention keys and values come from `context`, not from x."
             _expect_hook(stage, hook, cache[hook], ref_cache, allowed, hook_hint)
+        fused = "scaled_dot_product_attention" in calls.names
+        hooked = {"hook_attn_scores", "hook_pattern"} <= set(cache)
+        problem = f"F.scaled_dot_product_attention was {'' if fused else 'not '}called and "
+        problem += f"the pattern hooks {'ran' if hooked else 'did not run'}."
+        expect(fused == fast and hooked != fast, where, problem, FAST_PATH_HINTS[fast])
         z = einops.rearrange(ref_cache["hook_z"], "batch pos head d -> batch pos (d head)")
         W_O = einops.rearrange(reference.W_O, "head d d_model -> (head d) d_model")
         concat = "the heads are concatenated in the wrong order: flatten z as '(head d_head)' to "
         concat += "line up with W_O's rows, or project each head with W_O[head] and sum over heads."
         mistakes = {concat: z @ W_O + reference.b_O}
         expect_close(actual, expected, where, hint, atol=1e-8, mistakes=mistakes)
-
-
-def _expect_fast_path(name: str, module: torch.nn.Module, reference) -> None:
-    """`fast_path=True` runs F.scaled_dot_product_attention and no pattern hooks, `fast_path=False`
-    the reverse; each gives the reference's output."""
-    for fast in (True, False):
-        module.fast_path = fast
-        for label, args, kwargs in _forward_cases():
-            if "no allowed key" in label:
-                continue
-            where, hint = f"{name}(fast_path={fast}), {label}", FAST_PATH_HINTS[fast]
-            with _Calls() as calls:
-                actual, cache = call(where, module.run_with_cache, *args, **kwargs)
-            fused = "scaled_dot_product_attention" in calls.names
-            hooked = {"hook_attn_scores", "hook_pattern"} <= set(cache)
-            problem = f"F.scaled_dot_product_attention was {'' if fused else 'not '}called and "
-            problem += f"the pattern hooks {'ran' if hooked else 'did not run'}."
-            expect(fused == fast and hooked != fast, where, problem, hint)
-            expect_close(actual, reference(*args, **kwargs), where, hint, atol=1e-8)
     module.fast_path = False
 
 
 def check_multi_head_attention(cls: type) -> None:
-    """`MultiHeadAttention`: TransformerLens parameters and initialisation; the forward pass
-    compared hook by hook with the reference (self- and cross-attention, every mask argument,
-    `causal=True`, no mask); `fast_path` on and off; and `bias=False`."""
+    """`MultiHeadAttention`: parameters, forward hook by hook, `fast_path`, `bias=False`."""
     name = "MultiHeadAttention"
-    _expect_parameters(name, cls)
+    torch.manual_seed(0)
+    module, reference = call(name, cls, 64, 4), attention.MultiHeadAttention(64, 4)
+    shapes = {n: tuple(p.shape) for n, p in module.named_parameters()}
+    expected = {n: tuple(p.shape) for n, p in reference.named_parameters()}
+    hint = "use TransformerLens names and shapes: W_Q is (n_heads, d_model, d_head), W_O is "
+    hint += "(n_heads, d_head, d_model)."
+    expect(shapes == expected, name, f"expected parameters {expected}, got {shapes}.", hint)
+    for bias in ("b_Q", "b_K", "b_V", "b_O"):
+        value, hint = getattr(module, bias), "initialise biases to zero, as GPT-2 does."
+        problem = "the bias starts at one." if value.eq(1).all() else "the bias is not zero."
+        expect(not value.any(), f"{name}.{bias}", problem, hint)
+        std, hint = getattr(module, "W" + bias[1:]).std().item(), "nn.init.normal_(w, std=0.02)."
+        expect(0.015 < std < 0.025, f"{name}.W{bias[1:]}", f"its std is {std:.3g}.", hint)
     reference = perturb(attention.MultiHeadAttention(16, 4).double(), seed=1, scale=0.5)
     module = call(name, cls, 16, 4).double()
     call(f"{name}.load_state_dict", module.load_state_dict, reference.state_dict(), strict=False)
-    _expect_forward(name, module, reference)
-    _expect_fast_path(name, module, reference)
+    for fast in (False, True):
+        _expect_forward(name, module, reference, fast)
     (_, args, kwargs), where = _forward_cases()[1], f"{name}(bias=False)"
     module = call(where, cls, 16, 4, bias=False).double()
     reference = attention.MultiHeadAttention(16, 4, bias=False).double()
@@ -272,7 +240,6 @@ def check_multi_head_attention(cls: type) -> None:
     expect(named, where, f"expected only the parameters {expected}.", hint + "forward.")
     call(f"{where}.reset_parameters", module.reset_parameters)
     call(f"{where}.load_state_dict", module.load_state_dict, reference.state_dict(), strict=False)
-    hint = "without biases the projections are the einsums alone."
-    actual = call(where, module, *args, **kwargs)
+    actual, hint = call(where, module, *args, **kwargs), "without biases, the einsums alone."
     expect_close(actual, reference(*args, **kwargs), where, hint, atol=1e-8)
     passed(name)

@@ -1,11 +1,5 @@
-"""What every checker is built from: run the learner's code, compare it with the course's
-reference, and when they differ name the likely mistake.
-
-A checker prints one line saying the exercise passes, or raises `CheckFailure` with a targeted
-hint ("is eps inside the square root?"). A known mistake is named one way everywhere: the
-learner's output is compared with a table {hint naming the mistake: the output that mistake
-gives} (`known_mistake`, `expect_no_known_mistake`, `expect_close(..., mistakes=)`).
-"""
+"""What every checker is built from: run the learner's code, compare it with the reference, and
+name the likely mistake, one way everywhere: a table {hint: the output that mistake gives}."""
 
 from __future__ import annotations
 
@@ -19,18 +13,11 @@ import torch
 from torch import Tensor
 from transformer_lens.hook_points import HookPoint
 
-from transformer_course.blocks import TransformerBlock
-
 CHECKERS = Path(__file__).resolve().parent
-DIFFERS = "values differ from the reference."
-CONVENTION_HINT = (
-    "True means *may attend* (PyTorch's convention): keep the scores where the mask is True and "
-    "fill the ones where it is False (`~mask`)."
-)
-OVERFLOW_HINT = (
-    "exp overflows for large scores (above about 88 in float32, 709 in float64): subtract each "
-    "row's maximum before exp, as `torch.softmax` does (a constant shift changes nothing)."
-)
+CONVENTION_HINT = "True means *may attend* (PyTorch's convention): keep the scores where the "
+CONVENTION_HINT += "mask is True and fill the ones where it is False (`~mask`)."
+OVERFLOW_HINT = "exp overflows for large scores (above 88 in float32): subtract each row's "
+OVERFLOW_HINT += "maximum before exp, as `torch.softmax` does (a constant shift changes nothing)."
 EVAL_HINT = "`with evaluating(model):` sets eval mode and no_grad, and restores the mode after."
 
 
@@ -38,8 +25,7 @@ class CheckFailure(AssertionError):
     """An exercise check failed; the message says what went wrong and hints at why."""
 
     def _render_traceback_(self) -> list[str]:
-        """What IPython shows: the message and, if the learner's code crashed, the frames of
-        the learner's code that led there (never the checker's own frames)."""
+        """What IPython shows: the message and the learner's frames that raised."""
         lines = f"CheckFailure: {self}".splitlines()
         cause = self.__cause__
         if cause is not None:
@@ -55,8 +41,7 @@ class CheckFailure(AssertionError):
 
 
 def call(name: str, fn: Callable[..., Any], *args: Any, hint: str = "", **kwargs: Any) -> Any:
-    """Call the learner's `fn`: an unfinished blank or a crash becomes a `CheckFailure`, a crash
-    with `hint` when one is given."""
+    """Call the learner's `fn`; a blank or a crash (with `hint`) becomes a `CheckFailure`."""
     try:
         return fn(*args, **kwargs)
     except NotImplementedError as exc:
@@ -99,8 +84,7 @@ def shape_of(value: Any) -> tuple | str:
 
 
 def matches(actual: Any, wanted: Any, atol: float = 1e-6) -> bool:
-    """Whether `actual` is `wanted`: float tensors of one shape within `atol`, other tensors
-    exactly, floats within a millionth of each other, anything else equal."""
+    """Whether `actual` is `wanted`: tensors within `atol`, floats within 1e-6, else equal."""
     if isinstance(wanted, Tensor):
         if shape_of(actual) != tuple(wanted.shape):
             return False
@@ -112,44 +96,71 @@ def matches(actual: Any, wanted: Any, atol: float = 1e-6) -> bool:
     return isinstance(actual, type(wanted)) and actual == wanted
 
 
-def known_mistake(actual: Any, mistakes: Mapping[str, Any], *, atol: float = 1e-6) -> str | None:
-    """The hint of the first mistake in `mistakes` ({hint: the output that mistake gives})
-    whose output `actual` is, or None."""
-    return next((hint for hint, wrong in mistakes.items() if matches(actual, wrong, atol)), None)
-
-
-def expect_no_known_mistake(name: str, actual, mistakes: Mapping, *, atol=1e-6, problem=DIFFERS):
-    """Fail with the hint of the mistake in `mistakes` whose output `actual` is, if any."""
-    hint = known_mistake(actual, mistakes, atol=atol)
-    expect(hint is None, name, problem, hint or "")
+def expect_no_known_mistake(name: str, actual, mistakes: Mapping, *, atol=1e-6, problem=""):
+    """Fail with the hint of the mistake ({hint: its output}) that `actual` is, if any."""
+    hint = next((hint for hint, wrong in mistakes.items() if matches(actual, wrong, atol)), None)
+    expect(hint is None, name, problem or "values differ from the reference.", hint or "")
 
 
 def expect_close(actual, expected, name: str, hint="", *, atol=1e-5, rtol=1e-4, mistakes=None):
-    """A tensor result's type, shape, no NaN, then values within `atol` + `rtol`; any other
-    result must equal `expected`. A result that a known mistake gives fails with its hint."""
-    if not isinstance(expected, Tensor):
-        if not matches(actual, expected):
-            problem = f"expected {describe(expected)}, got {describe(actual)}."
-            expect_no_known_mistake(name, actual, mistakes or {}, problem=problem)
-            expect(False, name, problem, hint)
+    """Type, shape, no NaN, values within `atol` + `rtol`; a known mistake named."""
+    problem = f"expected {describe(expected)}, got {describe(actual)}."
+    if isinstance(expected, Tensor):
+        expect(isinstance(actual, Tensor), name, problem)
+        shape, got = tuple(expected.shape), tuple(actual.shape)
+        sizes = "check which dimensions you reduce or rearrange."
+        expect(got == shape, name, f"expected shape {shape}, got {got}.", sizes)
+        expect(not torch.isnan(actual).any(), name, "the result contains NaN.", hint)
+        actual = actual.detach().to(expected.dtype)
+        if torch.allclose(actual, expected, atol=atol, rtol=rtol):
+            return
+        worst, used = (actual.double() - expected.double()).abs().max(), str(expected.dtype)[6:]
+        problem = f"values differ from the reference (max abs diff {worst:.3g}; {used} output "
+        problem += f"of shape {shape})."
+    elif matches(actual, expected):
         return
-    expect(isinstance(actual, Tensor), name, f"expected a torch.Tensor, got {describe(actual)}.")
-    shape, got = tuple(expected.shape), tuple(actual.shape)
-    sizes = "check which dimensions you reduce or rearrange."
-    expect(got == shape, name, f"expected shape {shape}, got {got}.", sizes)
-    expect(not torch.isnan(actual).any(), name, "the result contains NaN.", hint)
-    actual = actual.detach().to(expected.dtype)
-    if not torch.allclose(actual, expected, atol=atol, rtol=rtol):
-        expect_no_known_mistake(name, actual, mistakes or {}, atol=atol)
-        worst = (actual - expected).abs().max().item()
-        used = f"{str(expected.dtype)[6:]} output of shape {shape}"
-        problem = f"values differ from the reference (max abs diff {worst:.3g}; {used})."
-        expect(False, name, problem, hint)
+    expect_no_known_mistake(name, actual, mistakes or {}, atol=atol, problem=problem)
+    expect(False, name, problem, hint)
+
+
+def floats(values: Any) -> Tensor | str:
+    """`values` as a float64 tensor, or what they are if they are not all numbers."""
+    try:
+        return torch.tensor([float(value) for value in values], dtype=torch.float64)
+    except (TypeError, ValueError):
+        return describe(values)
+
+
+def expect_series(where: str, what: str, actual, expected, hint="", mistakes=None, *, tol=1e-9):
+    """Numbers `what` against the expected ones within `tol` of the largest; a mistake named."""
+    actual, expected = floats(actual), floats(expected)
+    tol *= float(expected.abs().max()) if len(expected) else 1.0
+    if matches(actual, expected, atol=tol):
+        return
+    problem = f"{what}: expected {expected.tolist()}, got {describe(actual)}."
+    if isinstance(actual, Tensor) and actual.shape == expected.shape:
+        i = int(((actual - expected).abs() > tol).nonzero()[0])
+        problem = f"{what} {i}: expected {expected[i]:.6g}, got {actual[i]:.6g}."
+    wrong = {h: floats(series) for h, series in (mistakes or {}).items()}
+    expect_no_known_mistake(where, actual, wrong, atol=tol, problem=problem)
+    expect(False, where, problem, hint)
+
+
+def expect_schedule(name: str, fn: Callable, reference: Callable, cases, mistakes, hint: str):
+    """A schedule `fn(step, **case)` at steps 0 to max_steps + 5 (or ten warmups), per case."""
+    for case in cases:
+        where = f"{name}(step, {', '.join(f'{k}={v}' for k, v in case.items())})"
+        steps = range(case.get("max_steps", 10 * case["warmup_steps"]) + 6)
+        rates = [call(where, fn, step, **case) for step in steps]
+        other = next((r for r in rates if not isinstance(r, (int, float))), None)
+        expect(other is None, where, f"returned {describe(other)}.", "return a float.")
+        wrong = {h: [f(step, **case) for step in steps] for h, f in mistakes.items()}
+        expected = [reference(step, **case) for step in steps]
+        expect_series(where, "the rate at step", rates, expected, hint, wrong)
 
 
 def expect_mask_not_inverted(name: str, pattern: Any, allowed: Tensor) -> None:
-    """Fail with the mask convention's hint if `pattern` gives its weight to the keys `allowed`
-    forbids and none to those it allows, NaN rows counting as zero."""
+    """Fail if `pattern` weighs exactly the keys `allowed` forbids (NaN counting as 0)."""
     if not isinstance(pattern, Tensor) or not pattern.is_floating_point():
         return
     try:
@@ -162,26 +173,21 @@ def expect_mask_not_inverted(name: str, pattern: Any, allowed: Tensor) -> None:
     expect(not inverted, name, problem, CONVENTION_HINT)
 
 
-def run_hooked(name: str, module: torch.nn.Module, hooks: list[str], *args: Any):
-    """`module(*args)` and what each named hook point of it received."""
-    points, seen = dict(module.named_modules()), {}
-    for hook in hooks:
-        problem = f"expected a hook point `{hook}` (a transformer_lens HookPoint made in __init__)."
-        expect(isinstance(points.get(hook), HookPoint), name, problem, "keep __init__'s hooks.")
-        points[hook].add_hook(lambda tensor, hook, key=hook: seen.update({key: tensor.detach()}))
-    try:
-        return call(f"{name}.forward", module, *args), seen
-    finally:
-        for hook in hooks:
-            points[hook].remove_hooks()
-
-
-def expect_hooks(name: str, module, reference, hints: dict[str, str], *args, atol=1e-8) -> Any:
-    """Compare what each hook point in `hints` receives in the learner's `module` and in the
-    `reference` on `args`; the first that differs fails with its hint."""
-    out, seen = run_hooked(name, module, list(hints), *args)
-    with torch.no_grad():
-        _, expected = run_hooked("reference", reference, list(hints), *args)
+def expect_hooks(name: str, module, reference, hints: dict[str, str], *args, atol=1e-8) -> None:
+    """What each hook point in `hints` receives, against the reference's: named by its hint."""
+    seen, expected = {}, {}
+    for where, found, model in ((name, seen, module), ("reference", expected, reference)):
+        points = dict(model.named_modules())
+        for hook in hints:
+            problem = f"expected a hook point `{hook}` (a HookPoint made in __init__)."
+            expect(isinstance(points.get(hook), HookPoint), where, problem, "keep the hooks.")
+            points[hook].add_hook(lambda t, hook, key=hook, found=found: found.update({key: t}))
+        try:
+            with torch.no_grad():
+                call(f"{where}.forward", model, *args)
+        finally:
+            for hook in hints:
+                points[hook].remove_hooks()
     for hook, hint in hints.items():
         where = f"{name}.{hook}"
         expect(hook in seen, where, "this hook point never received a tensor.", hint)
@@ -189,7 +195,6 @@ def expect_hooks(name: str, module, reference, hints: dict[str, str], *args, ato
         expect(got == shape, where, f"expected shape {shape}, got {got}.", hint)
         same = matches(seen[hook], expected[hook], atol=atol)
         expect(same, where, "received a tensor that differs from the reference's.", hint)
-    return out
 
 
 def seeded(seed: int) -> torch.Generator:
@@ -203,8 +208,7 @@ def randn(*shape: int, seed: int = 0, dtype: torch.dtype = torch.float64) -> Ten
 
 
 def perturb(module: torch.nn.Module, seed: int, scale: float = 0.3) -> torch.nn.Module:
-    """`module` with random offsets on every parameter (layer-norm gains and biases included),
-    so a forward pass that skips one, or uses it in the wrong place, shows up."""
+    """`module` with random offsets on every parameter, so a skipped one shows."""
     generator = seeded(seed)
     with torch.no_grad():
         for param in module.parameters():
@@ -213,34 +217,27 @@ def perturb(module: torch.nn.Module, seed: int, scale: float = 0.3) -> torch.nn.
 
 
 def expect_same_in_train_mode(name: str, module, reference, *args: Any, hint: str, atol=1e-8):
-    """Dropout: in eval mode two calls agree with the reference (no dropout at all); in train
-    mode, under the same seed, the learner's dropout falls where the reference's does."""
+    """Dropout off in eval mode, and where the reference's falls in train mode."""
     module.eval(), reference.eval()
-    where, off = f"{name} (eval mode)", "in eval mode dropout does nothing: use nn.Dropout or "
-    off += "F.dropout(..., training=self.training)."
+    where = f"{name} (eval mode)"
+    off = "in eval mode dropout does nothing: nn.Dropout, or F.dropout(x, training=self.training)."
     with torch.no_grad():
         first, second = (call(f"{name}.forward", module, *args) for _ in range(2))
         expect_close(first, reference(*args), where, off, atol=atol)
     expect(torch.equal(first, second), where, "two calls give different outputs.", off)
-    module.train(), reference.train()
-    try:
+    outputs = []
+    for seeded_module in (reference.train(), module.train()):
         torch.manual_seed(1234)
-        expected = reference(*args)
-        torch.manual_seed(1234)
-        actual = call(f"{name}.forward", module, *args)
-    finally:
-        module.eval(), reference.eval()
-    expect_close(actual, expected.detach(), f"{name} (train mode, dropout on)", hint, atol=atol)
+        outputs.append(call(f"{name}.forward", seeded_module, *args))
+    module.eval(), reference.eval()
+    where = f"{name} (train mode, dropout on)"
+    expect_close(outputs[1], outputs[0].detach(), where, hint, atol=atol)
 
 
 def expect_evaluating(name: str, fn: Callable, model: torch.nn.Module, *args, **kwargs) -> Any:
-    """The learner's `fn(model, ...)` with `model` in train mode, which every module must run in
-    eval mode (no dropout) without gradients, the model coming back in train mode."""
+    """`fn(model, ...)` runs `model` in eval mode without gradients, its mode restored."""
     runs: list[tuple[bool, bool]] = []
-
-    def record(module: torch.nn.Module, inputs: Any) -> None:
-        runs.append((module.training, torch.is_grad_enabled()))
-
+    record = lambda module, inputs: runs.append((module.training, torch.is_grad_enabled()))
     handles = [module.register_forward_pre_hook(record) for module in model.modules()]
     try:
         out = call(name, fn, model.train(), *args, **kwargs)
@@ -269,89 +266,3 @@ def load_reference_weights(name: str, module, reference, parts: str) -> None:
 def passed(name: str) -> None:
     """Report a passed exercise."""
     print(f"✓ {name} passes every check")
-
-
-# The transformer block: one class serves chapter 5's encoder and decoder and chapter 6's GPT-2.
-
-BLOCK_HOOKS = {
-    "hook_resid_pre": "pass the incoming residual stream through self.hook_resid_pre first.",
-    "hook_attn_out": "hook_attn_out gets what self-attention adds to the stream, after dropout.",
-    "hook_resid_mid": "hook_resid_mid gets the stream after the self-attention sublayer.",
-    "hook_mlp_out": "hook_mlp_out gets what the MLP adds to the stream, after dropout.",
-    "hook_resid_post": "hook_resid_post gets the block's output.",
-}
-CROSS_HOOKS = {
-    "hook_cross_attn_out": "hook_cross_attn_out gets what the cross-attention adds.",
-    "hook_resid_mid_cross": "hook_resid_mid_cross gets the stream after the cross-attention.",
-}
-BLOCK_MISTAKES = [  # (what is wrong, as keywords of `block_output`; the hint naming it)
-    ({"mask": None}, "the padding is visible: the mask is ignored; pass mask=mask to self.attn."),
-    ({"no_cross": True}, "the cross-attention sublayer is missing: it follows self-attention."),
-    ({"context_mask": None}, "the cross-attention ignores the source padding: pass context_mask."),
-    ({"context": None, "context_mask": None}, "cross-attention's keys and values are context."),
-    ({"ln_cross": "ln1"}, "each sublayer has its own layer norm: self.ln_cross for this one."),
-    ({"ln_cross": "ln2"}, "the cross-attention's layer norm is self.ln_cross, not self.ln2."),
-    ({"cross_first": True}, "the order is self-attention, then cross-attention, then the MLP."),
-    ({"residual": False}, "a residual connection is missing: add each sublayer's output to x."),
-]
-NORMS = {"pre": "x = x + attn(ln1(x)), then x = x + mlp(ln2(x))", "post": "x = ln1(x + attn(x))"}
-CAUSAL_HINTS = {  # by the block's `causal`
-    True: "the self-attention must be causal: causal=self.causal (causal=True in GPT-2).",
-    False: "this block's self-attention is not causal: pass causal=self.causal.",
-}
-
-
-def block_output(block: TransformerBlock, x, mask=None, context=None, context_mask=None, **wrong):
-    """The reference `block`'s forward pass built from its own parts, with what is `wrong`: the
-    other norm or causality, a layer norm swapped, the sublayers reordered, the stream
-    normalised by the first sublayer, or no residual connections."""
-    norm, causal = wrong.get("norm", block.norm), wrong.get("causal", block.causal)
-
-    def sublayer(r: Tensor, f: Callable[[Tensor], Tensor], ln: Callable, first: bool) -> Tensor:
-        stream = ln(r) if first and wrong.get("normed_stream") else r
-        stream = stream if wrong.get("residual", True) else torch.zeros_like(r)
-        return stream + f(ln(r)) if norm == "pre" else ln(stream + f(r))
-
-    steps = [(lambda h: block.attn(h, mask=mask, causal=causal), block.ln1)]
-    if block.cross_attention and not wrong.get("no_cross"):
-        ln_cross = getattr(block, wrong.get("ln_cross", "ln_cross"))
-        cross = (lambda h: block.cross_attn(h, context, mask=context_mask), ln_cross)
-        steps.insert(0 if wrong.get("cross_first") else 1, cross)
-    for index, (f, ln) in enumerate(steps):
-        x = sublayer(x, f, ln, first=index == 0)
-    return sublayer(x, block.mlp, block.ln2, first=False)
-
-
-def expect_block(name: str, cls: type, settings: dict, cases: list, *, hint: str, crash=""):
-    """The learner's `TransformerBlock` built with `settings` and the reference's perturbed
-    weights: its output in each of `cases` (label, args, kwargs), a known wiring mistake named;
-    its hook points; its dropout in train and eval mode."""
-    torch.manual_seed(1)
-    reference = perturb(TransformerBlock(16, 4, 4, 32, **settings).double(), seed=2).eval()
-    block = call(f"{name}.__init__", cls, 16, 4, 4, 32, **settings).double()
-    load_reference_weights(name, block, reference, "ln1, attn, ln_cross, cross_attn, ln2, mlp")
-    other = "post" if block.norm == "pre" else "pre"
-    norm = f"this is {other}-LN: with norm={block.norm!r}, {NORMS[block.norm]}."
-    wrongs = [({"norm": other}, norm), ({"causal": not block.causal}, CAUSAL_HINTS[block.causal])]
-    wrongs += BLOCK_MISTAKES
-    if block.norm == "pre":
-        stream = "only the sublayer's input is normalised; the residual stream itself stays as is."
-        wrongs.append(({"normed_stream": True}, stream))
-    for label, args, kwargs in cases:
-        where = f"{name}, {label}"
-        with torch.no_grad():
-            actual = call(where, block.eval(), *args, hint=crash or hint, **kwargs)
-            problem = f"expected the stream's shape {tuple(args[0].shape)}, got {shape_of(actual)}."
-            expect(shape_of(actual) == args[0].shape, where, problem, crash or hint)
-            inputs = dict(zip(("x", "mask", "context", "context_mask"), args), **kwargs)
-            mistakes = {h: block_output(reference, **{**inputs, **w}) for w, h in wrongs}
-            expected = reference(*args, **kwargs)
-        expect_close(actual, expected, where, hint, atol=1e-6, mistakes=mistakes)
-    hooks = {**BLOCK_HOOKS, **(CROSS_HOOKS if settings.get("cross_attention") else {})}
-    expect_hooks(name, block, reference, hooks, *cases[0][1])
-    torch.manual_seed(1)
-    ours = TransformerBlock(16, 4, 4, 32, **settings, dropout=0.3).double()
-    theirs = call(f"{name}.__init__", cls, 16, 4, 4, 32, **settings, dropout=0.3).double()
-    theirs.load_state_dict(ours.state_dict())
-    hint = "give every residual_sublayer dropout=self.dropout, and add no other dropout."
-    expect_same_in_train_mode(f"{name}, dropout=0.3", theirs, ours, *cases[0][1], hint=hint)

@@ -4,6 +4,7 @@ and special tokens."""
 
 from __future__ import annotations
 
+import copy
 from collections import Counter
 from collections.abc import Callable
 
@@ -21,6 +22,7 @@ from transformer_course.tokenization import (
     GPT2_SPLIT_PATTERN,
     BPETokenizer,
     CharTokenizer,
+    decode_ids,
     encode_chunk,
     get_pair_counts,
     merge_pair,
@@ -28,10 +30,8 @@ from transformer_course.tokenization import (
     train_merges,
 )
 
-OVERLAP_HINT = (
-    "are you merging overlapping pairs? In [a, a, a] the pair (a, a) can merge only once, "
-    "giving [X, a]: after a merge, move past both ids of the pair."
-)
+OVERLAP_HINT = "are you merging overlapping pairs? In [a, a, a] the pair (a, a) can merge only "
+OVERLAP_HINT += "once, giving [X, a]: after a merge, move past both ids of the pair."
 SAMPLE = """First Citizen:
 Before we proceed any further, hear me speak.
 All: Speak, speak. You are all resolved rather to die than to famish?
@@ -71,12 +71,20 @@ def check_char_tokenizer(cls: type) -> None:
     passed(name)
 
 
+def _expect_cases(name: str, fn: Callable, reference: Callable, cases, hint: str) -> None:
+    """`fn(*args)` against `reference(*args)`, args unchanged, for each `(*args, hint)`."""
+    for *args, case_hint in cases:
+        where, given = f"{name}({', '.join(f'{a!r:.50}' for a in args)})", copy.deepcopy(args)
+        actual = call(where, fn, *given, hint=case_hint or hint)
+        expect(given == args, where, "it changed an argument it was given.", "return a new list.")
+        expect_close(actual, reference(*args), where, case_hint or hint)
+
+
 def check_get_pair_counts(fn: Callable) -> None:
     """`get_pair_counts(ids, counts=None, weight=1)` counts neighbouring pairs."""
-    name = "get_pair_counts"
+    name, cases = "get_pair_counts", [(ids, "") for ids in ([1, 2, 3, 1, 2], [], [7], [5, 5, 5])]
     hint = "pair each id with the next one: zip(ids, ids[1:]). Overlapping pairs all count here."
-    for ids in ([1, 2, 3, 1, 2], [], [7], [5, 5, 5], list(b"hello, hello")):
-        expect_close(call(name, fn, ids), get_pair_counts(ids), f"{name}({ids})", hint)
+    _expect_cases(name, fn, get_pair_counts, [*cases, (list(b"hello, hello"), "")], hint)
     counts, where = {(1, 2): 1}, f"{name}([1, 2, 1, 2], counts={{(1, 2): 1}}, weight=3)"
     actual = call(name, fn, [1, 2, 1, 2], counts, 3)
     hint = "add `weight` per occurrence to the `counts` you were given (a chunk seen 3 times "
@@ -86,28 +94,23 @@ def check_get_pair_counts(fn: Callable) -> None:
     passed(name)
 
 
-MERGE_CASES = [  # ids, pair, hint
-    ([1, 2, 3, 1, 2], (1, 2), ""),
-    ([], (1, 2), ""),
-    ([1], (1, 2), "a single id has no pair to merge."),
-    ([3, 1, 2], (1, 2), "don't forget a pair that ends the list."),
-    ([2, 1, 2, 1], (1, 2), "merge only the pair in its order: (1, 2) is not (2, 1)."),
-    ([5, 5, 5], (5, 5), OVERLAP_HINT),
-    ([5, 5, 5, 5], (5, 5), OVERLAP_HINT),
-    ([5, 5, 5, 5, 5], (5, 5), OVERLAP_HINT),
+MERGE_CASES = [  # ids, pair, new id, hint
+    ([1, 2, 3, 1, 2], (1, 2), 9, ""),
+    ([], (1, 2), 9, ""),
+    ([1], (1, 2), 9, "a single id has no pair to merge."),
+    ([3, 1, 2], (1, 2), 9, "don't forget a pair that ends the list."),
+    ([2, 1, 2, 1], (1, 2), 9, "merge only the pair in its order: (1, 2) is not (2, 1)."),
+    ([5, 5, 5], (5, 5), 9, OVERLAP_HINT),
+    ([5, 5, 5, 5], (5, 5), 9, OVERLAP_HINT),
+    ([5, 5, 5, 5, 5], (5, 5), 9, OVERLAP_HINT),
 ]
 
 
 def check_merge_pair(fn: Callable) -> None:
     """`merge_pair(ids, pair, new_id)` replaces non-overlapping occurrences, left to right."""
-    name = "merge_pair"
-    for ids, pair, hint in MERGE_CASES:
-        where, before = f"{name}({ids}, {pair}, 9)", list(ids)
-        actual = call(where, fn, ids, pair, 9)
-        expect(ids == before, where, "it changed the `ids` list it was given.", "return a new one.")
-        hint = hint or "walk left to right: where ids[i], ids[i + 1] is the pair, emit new_id."
-        expect_close(actual, merge_pair(ids, pair, 9), where, hint)
-    passed(name)
+    hint = "walk left to right: where ids[i], ids[i + 1] is the pair, emit new_id."
+    _expect_cases("merge_pair", fn, merge_pair, MERGE_CASES, hint)
+    passed("merge_pair")
 
 
 def _most_frequent(chunks: dict[tuple, int], pair: tuple, weighted: bool = True) -> bool:
@@ -119,11 +122,7 @@ def _most_frequent(chunks: dict[tuple, int], pair: tuple, weighted: bool = True)
 
 
 def check_train_merges(fn: Callable) -> None:
-    """`train_merges(chunk_counts, num_merges)`: every step must merge a most frequent pair.
-
-    Ties may be broken either way, so the learner's merges are replayed: at each step the
-    chosen pair must have the highest count over the (weighted) chunks merged so far.
-    """
+    """`train_merges(chunk_counts, num_merges)`: each merge a most frequent pair then."""
     name = "train_merges"
     shakespeare = _chunk_counts(SAMPLE * 3 + "the the the ")
     for label, chunk_counts, num_merges in (
@@ -165,43 +164,40 @@ ENCODE_CASES = [  # ids, merges, hint
 
 def check_encode_chunk(fn: Callable) -> None:
     """`encode_chunk(ids, merges, ranks)` applies merges lowest rank first."""
-    name = "encode_chunk"
     sample_merges = train_merges(_chunk_counts(SAMPLE), 60)
     chunks = regex.findall(GPT2_SPLIT_PATTERN, SAMPLE)[:40] + [SAMPLE.replace(" ", "")]
     cases = ENCODE_CASES + [(list(chunk.encode()), sample_merges, "") for chunk in chunks]
-    for ids, merges, hint in cases:
-        ranks = {pair: rank for rank, pair in enumerate(merges)}
-        where = f"{name}({ids!r:.60})"
-        actual = call(where, fn, list(ids), dict(merges), ranks)
-        hint = hint or "repeatedly merge the pair of lowest rank until no pair has a rank."
-        expect_close(actual, encode_chunk(ids, merges, ranks), where, hint)
-    passed(name)
+    cases = [
+        (ids, merges, {pair: r for r, pair in enumerate(merges)}, h) for ids, merges, h in cases
+    ]
+    hint = "repeatedly merge the pair of lowest rank until no pair has a rank."
+    _expect_cases("encode_chunk", fn, encode_chunk, cases, hint)
+    passed("encode_chunk")
 
 
-SPLIT_HINT = (
-    "a character's bytes can be split across tokens ('é' is C3 A9): join all the tokens' bytes "
-    "with b''.join(...) and decode once at the end, not token by token."
-)
-DECODE_CASES = [  # ids, text, hint
-    ([104, 105], "hi", ""),
-    ([], "", ""),
-    ([258, 33], "日本!", ""),
-    ([256, 257], "café!", SPLIT_HINT),
-    ([0xE6, 0x97, 0xA5], "日", SPLIT_HINT),
-    ([0xFF, 104], "\ufffdh", "ids may spell invalid UTF-8: decode with errors='replace'."),
+SPLIT_HINT = "a character's bytes can be split across tokens ('é' is C3 A9): join all the tokens' "
+SPLIT_HINT += "bytes with b''.join(...) and decode once at the end, not token by token."
+VOCAB = {
+    **{b: bytes([b]) for b in range(256)},
+    256: b"caf\xc3",
+    257: b"\xa9!",
+    258: "日本".encode(),
+}
+DECODE_CASES = [  # ids, vocab, hint
+    ([104, 105], VOCAB, ""),
+    ([], VOCAB, ""),
+    ([258, 33], VOCAB, ""),
+    ([256, 257], VOCAB, SPLIT_HINT),
+    ([0xE6, 0x97, 0xA5], VOCAB, SPLIT_HINT),
+    ([0xFF, 104], VOCAB, "ids may spell invalid UTF-8: decode with errors='replace'."),
 ]
 
 
 def check_decode_ids(fn: Callable) -> None:
     """`decode_ids(ids, vocab)` joins bytes before decoding, so split characters survive."""
-    name = "decode_ids"
-    vocab = {b: bytes([b]) for b in range(256)}
-    vocab.update({256: b"caf\xc3", 257: b"\xa9!", 258: "日本".encode()})
-    for ids, expected, hint in DECODE_CASES:
-        where = f"{name}({ids})"
-        hint = hint or "look up each id's bytes in vocab, join them, decode as UTF-8."
-        expect_close(call(where, fn, ids, vocab, hint=hint), expected, where, hint)
-    passed(name)
+    hint = "look up each id's bytes in vocab, join them, decode as UTF-8."
+    _expect_cases("decode_ids", fn, decode_ids, DECODE_CASES, hint)
+    passed("decode_ids")
 
 
 BPE_TEXTS = (
@@ -211,10 +207,8 @@ BPE_TEXTS = (
     "café, naïve, 日本語, emoji 🙂",
     "",
 )
-ONCE_HINT = (
-    "every character must be encoded once: each special token as its id, and every chunk of the "
-    "text between them (split_chunks keeps what the pattern skips)."
-)
+ONCE_HINT = "every character must be encoded once: each special token as its id, and every "
+ONCE_HINT += "chunk of the text between them (split_chunks keeps what the pattern skips)."
 EOT = "<|endoftext|>"
 # Runs of spaces teach the merge "  ", which the pre-split keeps from joining " spaces".
 BPE_TRAINING = f"Hello world, hello worlds. The end{EOT}The start. café naïve 日本語 a  b   c\n"
@@ -225,8 +219,7 @@ def _pre_split(tokenizer: BPETokenizer) -> regex.Pattern | None:
 
 
 def _rank_order_samples(tokenizer: BPETokenizer, limit: int = 3) -> list[str]:
-    """Texts of three bytes a, b, c that are one chunk, where (b, c) was learned before (a, b):
-    merged in rank order they start a + bc, merged in the order of the text ab + c."""
+    """Chunks a, b, c with (b, c) learned before (a, b): rank order differs from text order."""
     byte_merges = [(pair, rank) for pair, rank in tokenizer.ranks.items() if max(pair) < 256]
     samples = []
     for (a, b), late in byte_merges:
@@ -242,8 +235,7 @@ def _rank_order_samples(tokenizer: BPETokenizer, limit: int = 3) -> list[str]:
 
 
 def _in_text_order(tokenizer: BPETokenizer, text: str) -> list[int]:
-    """The ids of `text` with each chunk's merges applied in the order of the text (the first
-    mergeable pair first) instead of rank order."""
+    """The ids of `text` with each chunk merged in text order instead of rank order."""
     specials = sorted(tokenizer.special_tokens, key=len, reverse=True)
     pieces = regex.split(f"({'|'.join(map(regex.escape, specials))})", text) if specials else [text]
     ids: list[int] = []
@@ -273,8 +265,7 @@ def _bpe_mistakes(tokenizer: BPETokenizer, text: str) -> dict[str, list[int]]:
 
 
 def check_bpe_encode(cls: type) -> None:
-    """`cls(vocab, merges, pattern=, special_tokens=).encode(text)`: special tokens whole, the
-    pre-split, then the merges within each chunk; ids identical to the reference's."""
+    """`cls(vocab, merges, pattern=, special_tokens=).encode(text)`: the reference's ids."""
     name = "BPETokenizer.encode"
     for pattern in (GPT2_SPLIT_PATTERN, None):
         reference = BPETokenizer.train(
