@@ -170,11 +170,8 @@ class BuggyMHA(MultiHeadAttention):
             for bias in (self.b_Q, self.b_K, self.b_V, self.b_O):
                 nn.init.ones_(bias)
 
-    def forward(self, x, context=None, mask=None, *, causal=False):
+    def forward(self, x, context=None, mask=None, *, causal=False, cache=None):
         context = x if context is None else context
-        if causal and self.bug != "ignore_causal":
-            allowed = causal_mask(x.shape[1], context.shape[1])
-            mask = allowed if mask is None else allowed & mask
         q = einops.einsum(x, self.W_Q, "b p m, h m d -> b p h d")
         q = self.hook_q(q if self.bug == "hook_q_before_bias" else _plus(q, self.b_Q))
         if self.bug == "hook_q_before_bias":
@@ -185,7 +182,13 @@ class BuggyMHA(MultiHeadAttention):
         v = self.hook_v(
             _plus(einops.einsum(context, self.W_V, "b p m, h m d -> b p h d"), self.b_V)
         )
-        fused = self.fast_path if self.bug == "" or self.bug == "tl_style" else False
+        if cache is not None and self.bug != "ignore_cache":
+            heads_first = (einops.rearrange(t, "b p h d -> b h p d") for t in (k, v))
+            k, v = (einops.rearrange(t, "b h p d -> b p h d") for t in cache.extend(*heads_first))
+        if causal and self.bug != "ignore_causal":
+            allowed = causal_mask(x.shape[1], k.shape[1])
+            mask = allowed if mask is None else allowed & mask
+        fused = self.fast_path if self.bug in ("", "tl_style", "ignore_cache") else False
         if self.bug == "always_fused" or fused:
             heads = (einops.rearrange(t, "b p h d -> b h p d") for t in (q, k, v))
             z = F.scaled_dot_product_attention(*heads, attn_mask=mask)
@@ -298,3 +301,8 @@ def test_sdpa_that_returns_float32_for_half_inputs_is_named():
 
     with pytest.raises(CheckFailure, match=r"float16 inputs(.|\n)*expected float16 results"):
         check_scaled_dot_product_attention(float32_results)
+
+
+def test_mha_that_ignores_the_kv_cache_is_named():
+    with pytest.raises(CheckFailure, match=r"cache=\.\.\.\), fast_path=False(.|\n)*cache.extend"):
+        check_multi_head_attention(buggy("ignore_cache"))

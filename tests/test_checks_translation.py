@@ -6,8 +6,9 @@ import math
 
 import pytest
 import torch
+import torch.nn.functional as F
 
-from transformer_course.blocks import TransformerBlock, residual_sublayer
+from transformer_course.blocks import ACTIVATIONS, MLP, TransformerBlock, residual_sublayer
 from transformer_course.checks.harness import CheckFailure
 from transformer_course.checks.translation import (
     check_beam_search,
@@ -15,6 +16,7 @@ from transformer_course.checks.translation import (
     check_greedy_decode,
     check_inverse_sqrt_lr,
     check_label_smoothing,
+    check_mlp,
     check_positional_encoding,
     check_residual_sublayer,
     check_seq2seq_block,
@@ -445,7 +447,7 @@ def test_residual_sublayer_alternatives_pass(capsys):
 # ---- the encoder's and the decoder's block ----------------------------------------------------
 
 
-def block_forward(self, resid, mask=None, context=None, context_mask=None, **wrong):
+def block_forward(self, resid, mask=None, context=None, context_mask=None, cache=None, **wrong):
     """The block written out without `residual_sublayer` (a valid alternative: the causal mask
     built by hand), with one thing `wrong` at a time."""
     causal = self.causal != (
@@ -464,6 +466,8 @@ def block_forward(self, resid, mask=None, context=None, context_mask=None, **wro
 
     def self_attention(r):
         attend = lambda h: self.attn(h, mask=self_mask)
+        if cache is not None and not wrong.get("drop_cache"):  # the queries are the last positions
+            attend = lambda h: self.attn(h, mask=mask, causal=causal, cache=cache)
         return self.hook_resid_mid(sublayer(r, attend, self.ln1, self.hook_attn_out))
 
     def cross_attention(r):
@@ -491,8 +495,8 @@ def block_forward(self, resid, mask=None, context=None, context_mask=None, **wro
 
 
 def block_with(**wrong):
-    def forward(self, resid, mask=None, context=None, context_mask=None):
-        return block_forward(self, resid, mask, context, context_mask, **wrong)
+    def forward(self, resid, mask=None, context=None, context_mask=None, *, cache=None):
+        return block_forward(self, resid, mask, context, context_mask, cache, **wrong)
 
     return type("LearnerBlock", (TransformerBlock,), {"forward": forward})
 
@@ -510,6 +514,7 @@ def block_with(**wrong):
         ({"cross_first": True}, "self-attention, then cross-attention, then the MLP"),
         ({"no_cross_hook": True}, "hook_cross_attn_out"),
         ({"no_cross_dropout": True}, "dropout=0.3"),
+        ({"drop_cache": True}, "pass `cache` on to the self-attention"),
     ],
 )
 def test_seq2seq_block_bugs_are_named(wrong, words):
@@ -520,3 +525,75 @@ def test_seq2seq_block_bugs_are_named(wrong, words):
 def test_a_block_written_without_residual_sublayer_passes(capsys):
     check_seq2seq_block(block_with())
     assert "passes every check" in capsys.readouterr().out
+
+
+def fails(check, candidate, *words: str) -> None:
+    with pytest.raises(CheckFailure) as info:
+        check(candidate)
+    message = str(info.value)
+    for word in words:
+        assert word.lower() in message.lower(), f"{word!r} not in: {message}"
+
+
+# The MLP.
+
+
+def test_mlp_reference_passes(capsys):
+    check_mlp(MLP)
+    assert "passes every check" in capsys.readouterr().out
+
+
+class BlankMLP(MLP):
+    def forward(self, x):
+        raise NotImplementedError("widen, gelu_new, project back")
+
+
+def test_mlp_blank_fails_with_its_hint():
+    fails(check_mlp, BlankMLP, "not implemented", "widen")
+
+
+class ExactGeluMLP(MLP):
+    def forward(self, x):
+        return F.gelu(x @ self.W_in + self.b_in) @ self.W_out + self.b_out
+
+
+class ReluMLP(MLP):
+    def forward(self, x):
+        return F.relu(x @ self.W_in + self.b_in) @ self.W_out + self.b_out
+
+
+def test_mlp_rejects_wrong_activation():
+    fails(check_mlp, ExactGeluMLP, "tanh")
+    fails(check_mlp, ReluMLP, "relu")
+
+
+class FixedGeluMLP(MLP):
+    """Ignores `act_fn`: always gelu_new."""
+
+    def forward(self, x):
+        pre = self.hook_pre(x @ self.W_in + self.b_in)
+        return self.hook_post(F.gelu(pre, approximate="tanh")) @ self.W_out + self.b_out
+
+
+class UnhookedMLP(MLP):
+    def forward(self, x):
+        pre = self.hook_pre(x @ self.W_in + self.b_in)
+        return ACTIVATIONS[self.act_fn](pre) @ self.W_out + self.b_out
+
+
+def test_mlp_rejects_an_ignored_act_fn_and_a_missing_hook():
+    fails(check_mlp, FixedGeluMLP, "act_fn='relu'", "ACTIVATIONS[self.act_fn]")
+    fails(check_mlp, UnhookedMLP, "hook_post", "never received")
+
+
+class EinsumMLP(MLP):
+    """A valid alternative: torch.einsum instead of einops, F.gelu written out."""
+
+    def forward(self, x):
+        pre = self.hook_pre(torch.einsum("bpd,dm->bpm", x, self.W_in) + self.b_in)
+        post = self.hook_post(ACTIVATIONS[self.act_fn](pre))
+        return torch.einsum("bpm,md->bpd", post, self.W_out) + self.b_out
+
+
+def test_mlp_alternative_passes():
+    check_mlp(EinsumMLP)

@@ -35,13 +35,13 @@ from torch import Tensor, nn
 from transformer_lens.hook_points import HookPoint
 from transformer_lens.HookedRootModule import HookedRootModule
 
-from transformer_course.checks.gpt2 import check_mlp
 from transformer_course.checks.translation import (
     check_beam_search,
     check_encoder_decoder,
     check_greedy_decode,
     check_inverse_sqrt_lr,
     check_label_smoothing,
+    check_mlp,
     check_positional_encoding,
     check_residual_sublayer,
     check_seq2seq_block,
@@ -164,7 +164,8 @@ keep(residual_sublayer)
 # MLP), `self.dropout`, and its hook (`hook_attn_out`, `hook_cross_attn_out`, `hook_mlp_out`).
 # Pass the stream through `hook_resid_pre` first, `hook_resid_mid` after self-attention,
 # `hook_resid_mid_cross` after cross-attention and `hook_resid_post` last. `mask` (from the
-# padding of the stream's own tokens) goes to the self-attention.
+# padding of the stream's own tokens) goes to the self-attention, and so does `cache`
+# (chapter 6's KV cache, None until then).
 
 # %% [exercise] transformer_course.blocks:TransformerBlock blank=forward difficulty=3 importance=5 minutes=25
 # hint: Three sublayers in order: self-attention, cross-attention (only when

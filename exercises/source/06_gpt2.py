@@ -319,7 +319,8 @@ keep(train_step)
 # from 0): set the optimizer's learning rate to `lr_at(step)` (every parameter group's `"lr"`)
 # **before** the step, take a `train_step` on the batch `get_batch(step)`, and record the step,
 # its loss and its rate in a `History`. After every `eval_every` steps, and after the last,
-# measure `evaluate(model)` (a validation loss) and record `{"step": steps done, "val_loss":
+# measure `evaluate(model)` (a validation loss), in eval mode without gradients, and record
+# `{"step": steps done, "val_loss":
 # ...}` in `history.evals`. Keep the best model: wherever the validation loss is the lowest so
 # far, record it in `history.best` and keep a **copy** of the weights in
 # `history.best_state` (the model's tensors go on changing; a reference to them would not keep
@@ -328,8 +329,8 @@ keep(train_step)
 # %% [exercise] transformer_course.gpt2:train_loop difficulty=3 importance=5 minutes=25
 # docstring: Train `model` for `max_steps` steps with `optimizer`, at learning rate
 #   `lr_at(step)`, on batches `get_batch(step)`, clipping gradients to `grad_clip`; evaluate
-#   with `evaluate(model)` every `eval_every` steps and after the last, and keep the best
-#   weights. Returns the `History` (per step: step, train_loss, lr; evals; best, best_state).
+#   with `evaluate(model)` (in eval mode, without gradients) every `eval_every` steps and
+#   after the last, and keep the best weights. Returns the `History` (per step: step, train_loss, lr; evals; best, best_state).
 # hint: One `for` loop over the steps. Inside: the rate first (a loop over
 #   `optimizer.param_groups`), then your `train_step`, then the bookkeeping.
 # hint: Evaluate when `(step + 1) % eval_every == 0` or at the last step; compare with

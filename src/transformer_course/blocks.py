@@ -40,7 +40,7 @@ class MLP(nn.Module):
     Each position goes through the same two linear maps on its own; this is where most of a
     transformer's parameters live (with d_mlp = 4 d_model, two thirds of each block's).
 
-    Course: chapter 5, exercise 5.3, checked by checks.gpt2.check_mlp.
+    Course: chapter 5, exercise 5.3, checked by checks.translation.check_mlp.
     """
 
     def __init__(self, d_model: int, d_mlp: int, act_fn: str = "gelu_new"):

@@ -412,13 +412,14 @@ def train_loop(
 ) -> History:
     """Train for `max_steps` steps as nanoGPT does: before each step set the learning rate
     `lr_at(step)` (steps count from 0), then take a `train_step` on `get_batch(step)`; after
-    every `eval_every` steps and after the last, record `evaluate(model)` (a validation loss)
-    and keep a copy of the weights wherever it is the lowest so far.
+    every `eval_every` steps and after the last, record `evaluate(model)` (a validation loss,
+    measured in eval mode without gradients) and keep a copy of the weights wherever it is the
+    lowest so far.
 
     Returns the `History`: per step its loss and learning rate, the evaluations
     (`{"step": steps done, "val_loss": ...}`), the best one and its weights.
 
-    Course: chapter 6.
+    Course: chapter 6, exercise 6.12, checked by checks.gpt2.check_train_loop.
     """
     validate.positive_int("eval_every", eval_every)
     history = History()
@@ -431,7 +432,8 @@ def train_loop(
         history.train_loss.append(loss)
         history.lr.append(lr)
         if (step + 1) % eval_every == 0 or step + 1 == max_steps:
-            val_loss = evaluate(model)
+            with evaluating(model):
+                val_loss = evaluate(model)
             history.evals.append({"step": step + 1, "val_loss": val_loss})
             if not history.best or val_loss < history.best["val_loss"]:
                 history.best = {"step": step + 1, "val_loss": val_loss}

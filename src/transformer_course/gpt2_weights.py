@@ -44,7 +44,7 @@ def convert_hf_gpt2_state_dict(
     `unembed.W_U` is `lm_head.weight` transposed (its own tensor, as in TransformerLens) and
     `unembed.b_U` is zero. The tensors keep their dtype and device.
 
-    Course: chapter 6.
+    Course: chapter 6, exercise 6.5, checked by checks.gpt2.check_weight_conversion.
     """
     needed = ("transformer.wte.weight", "lm_head.weight", f"transformer.h.{n_layers - 1}.ln_1.bias")
     what = f"the state dict of a GPT2LMHeadModel with n_layers={n_layers}"
@@ -61,7 +61,6 @@ def convert_hf_gpt2_state_dict(
     }
     for layer in range(n_layers):
         src, dst = f"transformer.h.{layer}.", f"blocks.{layer}."
-        state.update({dst + ours: hf[src + theirs] for ours, theirs in RENAMED.items()})
         # c_attn holds [Q | K | V] along its output dimension, each (d_model, n_heads * d_head).
         weights = hf[src + "attn.c_attn.weight"].chunk(3, dim=1)
         biases = hf[src + "attn.c_attn.bias"].chunk(3, dim=0)
@@ -77,4 +76,5 @@ def convert_hf_gpt2_state_dict(
             "(head d_head) d_model -> head d_head d_model",
             head=n_heads,
         )
+        state.update({dst + ours: hf[src + theirs] for ours, theirs in RENAMED.items()})
     return state

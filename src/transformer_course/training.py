@@ -161,7 +161,7 @@ def cosine_lr(
 ) -> float:
     """Linear warmup to `lr`, then half a cosine down to `min_lr` at `max_steps`.
 
-    Course: chapter 6.
+    Course: chapter 6, exercise 6.10, checked by checks.gpt2.check_cosine_lr.
     """
     if step < warmup_steps:
         return lr * (step + 1) / warmup_steps
@@ -679,7 +679,7 @@ def estimate_loss(
     """Mean next-token loss over `n_batches` random batches of `data` (nanoGPT's
     `estimate_loss`), in eval mode without gradients.
 
-    Course: chapter 6.
+    Course: chapter 6, exercise 6.9, checked by checks.gpt2.check_estimate_loss.
     """
     validate.positive_int("n_batches", n_batches)
     device = next(model.parameters()).device

@@ -15,7 +15,6 @@ from transformer_course.checks.gpt2 import check_estimate_loss as check_estimate
 from transformer_course.checks.gpt2 import check_generate as check_generate
 from transformer_course.checks.gpt2 import check_gpt2_forward as check_gpt2_forward
 from transformer_course.checks.gpt2 import check_kv_cache as check_kv_cache
-from transformer_course.checks.gpt2 import check_mlp as check_mlp
 from transformer_course.checks.gpt2 import check_pos_embed as check_pos_embed
 from transformer_course.checks.gpt2 import check_sample_batch as check_sample_batch
 from transformer_course.checks.gpt2 import check_top_p_filter as check_top_p_filter
@@ -42,6 +41,7 @@ from transformer_course.checks.translation import check_encoder_decoder as check
 from transformer_course.checks.translation import check_greedy_decode as check_greedy_decode
 from transformer_course.checks.translation import check_inverse_sqrt_lr as check_inverse_sqrt_lr
 from transformer_course.checks.translation import check_label_smoothing as check_label_smoothing
+from transformer_course.checks.translation import check_mlp as check_mlp
 from transformer_course.checks.translation import (
     check_positional_encoding as check_positional_encoding,
 )

@@ -210,6 +210,21 @@ def _expect_forward(name: str, module: torch.nn.Module, reference, fast: bool) -
     module.fast_path = False
 
 
+def _expect_cached(name: str, module, reference, fast: bool) -> None:
+    """Causal self-attention run in three calls through one `LayerCache` (chapter 6's KV
+    cache) gives the outputs of one call on the whole sequence."""
+    x, where = randn(2, 7, 16, seed=5), f"{name}(x, causal=True, cache=...), fast_path={fast}"
+    module.fast_path = fast
+    cache, outputs = attention.LayerCache(), []
+    for piece in (x[:, :3], x[:, 3:4], x[:, 4:]):
+        outputs.append(call(where, module, piece, causal=True, cache=cache))
+    hint = "with a cache, `k, v = cache.extend(k, v)` after moving the heads before the "
+    hint += "positions; the queries are the last positions, so the causal mask is (q_pos, k_pos)."
+    expected = reference(x, causal=True).detach()
+    expect_close(torch.cat(outputs, dim=1), expected, where, hint, atol=1e-8)
+    module.fast_path = False
+
+
 def check_multi_head_attention(cls: type) -> None:
     """`MultiHeadAttention`: parameters, forward hook by hook, `fast_path`, `bias=False`."""
     name = "MultiHeadAttention"
@@ -231,6 +246,8 @@ def check_multi_head_attention(cls: type) -> None:
     call(f"{name}.load_state_dict", module.load_state_dict, reference.state_dict(), strict=False)
     for fast in (False, True):
         _expect_forward(name, module, reference, fast)
+    for fast in (False, True):
+        _expect_cached(name, module, reference, fast)
     (_, args, kwargs), where = _forward_cases()[1], f"{name}(bias=False)"
     module = call(where, cls, 16, 4, bias=False).double()
     reference = attention.MultiHeadAttention(16, 4, bias=False).double()

@@ -12,10 +12,9 @@ import torch
 import torch.nn.functional as F
 
 from transformer_course.attention import LayerCache
-from transformer_course.blocks import ACTIVATIONS
-from transformer_course.blocks import MLP as ReferenceMLP
 from transformer_course.checks.harness import (
     EVAL_HINT,
+    build_module,
     call,
     describe,
     expect,
@@ -61,21 +60,11 @@ def _reference_model(seed: int = 0, dropout: float = 0.0) -> GPT2:
     return perturb(GPT2(GPT2Config(**{**vars(CFG), "dropout": dropout})), seed + 1, 0.1).eval()
 
 
-def _build(name: str, cls: type, *args, params: dict[str, tuple]) -> torch.nn.Module:
-    """The learner's module, once its parameters' names and shapes are TransformerLens's."""
-    module = call(f"{name}.__init__", cls, *args)
-    for param, shape in params.items():
-        got = getattr(module, param, None)
-        shaped = isinstance(got, torch.nn.Parameter) and tuple(got.shape) == shape
-        hint = "TransformerLens layout: matrices are (d_in, d_out), embeddings (rows, d_model)."
-        expect(shaped, name, f"expected a parameter `{param}` {shape}, got {describe(got)}.", hint)
-    return module
-
-
 def check_embed(cls: type) -> None:
     """`Embed(cfg)`: parameter `W_E (d_vocab, d_model)`; `forward(tokens)` looks up each row."""
     name, tokens = "Embed", _tokens()
-    embed = perturb(_build(name, cls, CFG, params={"W_E": (CFG.d_vocab, CFG.d_model)}), 0, 1.0)
+    embed = build_module(name, cls, CFG, params={"W_E": (CFG.d_vocab, CFG.d_model)})
+    embed = perturb(embed, 0, 1.0)
     expected, actual = F.embedding(tokens, embed.W_E.detach()), call(name, embed, tokens)
     scaled = {"the embeddings are scaled by sqrt(d_model); GPT-2 uses W_E[tokens].": expected * 4}
     hint = "row t of W_E is the embedding of token id t: index W_E with the tokens."
@@ -86,7 +75,7 @@ def check_embed(cls: type) -> None:
 def check_pos_embed(cls: type) -> None:
     """`PosEmbed(cfg)`: parameter `W_pos (n_ctx, d_model)`; the first `pos` rows per sequence."""
     name, tokens = "PosEmbed", _tokens() % CFG.n_ctx  # ids below n_ctx: indexing by id runs too
-    pos_embed = _build(name, cls, CFG, params={"W_pos": (CFG.n_ctx, CFG.d_model)})
+    pos_embed = build_module(name, cls, CFG, params={"W_pos": (CFG.n_ctx, CFG.d_model)})
     W_pos = perturb(pos_embed, 0, 1.0).W_pos.detach()
     by_token = "W_pos is indexed by the token ids: a position depends on where, not on which token."
     hint = "return W_pos[:pos] for every sequence, shape (batch, pos, d_model): einops.repeat."
@@ -100,7 +89,7 @@ def check_unembed(cls: type) -> None:
     name, x = "Unembed", randn(2, 5, CFG.d_model, seed=2, dtype=torch.float32)
     torch.manual_seed(0)
     params = {"W_U": (CFG.d_model, CFG.d_vocab), "b_U": (CFG.d_vocab,)}
-    unembed = _build(name, cls, CFG, params=params)
+    unembed = build_module(name, cls, CFG, params=params)
     b_U, std = unembed.b_U.detach(), unembed.W_U.detach().std().item()
     hint = "biases start at zeros (torch.zeros), not ones: a bias of one shifts every logit."
     expect(not b_U.any(), name, f"`b_U` should start at zero, got {describe(b_U)}.", hint)
@@ -109,31 +98,6 @@ def check_unembed(cls: type) -> None:
     W_U, b_U = perturb(unembed, 0, 1.0).W_U.detach(), unembed.b_U.detach()
     no_bias = {"the output does not include the bias: add b_U.": x @ W_U}
     expect_close(call(name, unembed, x), x @ W_U + b_U, name, "x @ W_U + b_U.", mistakes=no_bias)
-    passed(name)
-
-
-def check_mlp(cls: type) -> None:
-    """`MLP(d_model, d_mlp, act_fn="gelu_new")`: `act(x @ W_in + b_in) @ W_out + b_out`, hooked."""
-    name, x = "MLP", randn(2, 5, 16, seed=3, dtype=torch.float32)
-    params = {"W_in": (16, 64), "b_in": (64,), "W_out": (64, 16), "b_out": (16,)}
-    mlp = perturb(_build(name, cls, 16, 64, params=params), 0, 1.0)
-    W_in, b_in, W_out, b_out = (getattr(mlp, p).detach() for p in params)
-    act = lambda f: f(x @ W_in + b_in) @ W_out + b_out
-    mistakes = {
-        "GPT-2 uses gelu_new, F.gelu(x, approximate='tanh'), not the exact GELU.": act(F.gelu),
-        "the activation is GELU (gelu_new), not ReLU.": act(F.relu),
-    }
-    hint, expected = "x @ W_in + b_in, gelu_new, @ W_out + b_out.", act(ACTIVATIONS["gelu_new"])
-    expect_close(call(name, mlp, x), expected, name, hint, mistakes=mistakes)
-    for act_fn in ("relu", "gelu", "gelu_new"):
-        where = f"{name}(act_fn={act_fn!r})"
-        theirs, reference = call(where, cls, 16, 64, act_fn=act_fn), ReferenceMLP(16, 64, act_fn)
-        reference.load_state_dict(mlp.state_dict()), theirs.load_state_dict(mlp.state_dict())
-        hint = "use the activation the module was built with, ACTIVATIONS[self.act_fn]."
-        expect_close(call(where, theirs, x), reference(x).detach(), where, hint)
-    hooks = {"hook_pre": "x @ W_in + b_in, before the activation", "hook_post": "act's output"}
-    hooks = {hook: f"pass {what} through self.{hook}." for hook, what in hooks.items()}
-    expect_hooks(name, mlp, reference, hooks, x, atol=1e-6)
     passed(name)
 
 

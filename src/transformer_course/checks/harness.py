@@ -266,3 +266,14 @@ def load_reference_weights(name: str, module, reference, parts: str) -> None:
 def passed(name: str) -> None:
     """Report a passed exercise."""
     print(f"✓ {name} passes every check")
+
+
+def build_module(name: str, cls: type, *args, params: dict[str, tuple]) -> torch.nn.Module:
+    """The learner's module, once its parameters' names and shapes are TransformerLens's."""
+    module = call(f"{name}.__init__", cls, *args)
+    for param, shape in params.items():
+        got = getattr(module, param, None)
+        shaped = isinstance(got, torch.nn.Parameter) and tuple(got.shape) == shape
+        hint = "TransformerLens layout: matrices are (d_in, d_out), embeddings (rows, d_model)."
+        expect(shaped, name, f"expected a parameter `{param}` {shape}, got {describe(got)}.", hint)
+    return module

@@ -10,8 +10,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from transformer_course.blocks import TransformerBlock, residual_sublayer
+from transformer_course.attention import LayerCache
+from transformer_course.blocks import ACTIVATIONS, TransformerBlock, residual_sublayer
+from transformer_course.blocks import MLP as ReferenceMLP
 from transformer_course.checks.harness import (
+    build_module,
     call,
     expect,
     expect_close,
@@ -218,13 +221,31 @@ def check_seq2seq_block(cls: type) -> None:
     encoder = [("a padding mask", (x, mask), {}), ("mask left at its default", (x,), {})]
     decoder = [("padding masks", (x, mask, context, context_mask), {})]
     decoder.append(("mask and context_mask left at their default", (x,), {"context": context}))
-    for decoder_block, cases in ((False, encoder), (True, decoder)):
-        for norm in ("post", "pre"):
+    gpt2 = dict(norm="pre", act_fn="gelu_new", causal=True, cross_attention=False)
+    for decoder_block, cases in ((False, encoder), (True, decoder), (None, encoder)):
+        for norm in ("post", "pre") if decoder_block is not None else ("pre",):
             settings = dict(norm=norm, act_fn="relu", causal=decoder_block)
             settings["cross_attention"] = decoder_block
+            settings = gpt2 if decoder_block is None else settings  # chapter 6's GPT-2 block
             where = f"TransformerBlock({', '.join(f'{k}={v!r}' for k, v in settings.items())})"
-            _expect_block(where, cls, settings, cases, hint, crash * decoder_block)
+            _expect_block(where, cls, settings, cases, hint, crash * bool(decoder_block))
+    _expect_block_cache(cls, gpt2)
     passed("TransformerBlock")
+
+
+def _expect_block_cache(cls: type, settings: dict) -> None:
+    """GPT-2's block run in two calls through one `LayerCache` gives one call's output."""
+    name, x = f"TransformerBlock({settings['norm']!r}, causal=True)(x, cache=...)", randn(2, 6, 16)
+    torch.manual_seed(1)
+    reference = perturb(TransformerBlock(16, 4, 4, 32, **settings).double(), seed=2).eval()
+    block = call(name, cls, 16, 4, 4, 32, **settings).double().eval()
+    block.load_state_dict(reference.state_dict())
+    cache = LayerCache()
+    with torch.no_grad():
+        pieces = [call(name, block, part, cache=cache) for part in (x[:, :4], x[:, 4:])]
+        expected = reference(x)
+    hint = "pass `cache` on to the self-attention: `self.attn(..., cache=cache)`."
+    expect_close(torch.cat(pieces, dim=1), expected, name, hint, atol=1e-8)
 
 
 def _decode(model, tgt: Tensor, memory: Tensor, tgt_mask, context_mask) -> Tensor:
@@ -410,4 +431,29 @@ def check_beam_search(fn: Callable[..., list[list[int]]]) -> None:
     greedy += "log-probabilities, so a less likely first token can win with a likelier ending."
     hint = "decode each row with its own beams, and return tokens without <s> and </s>."
     expect_close(found, [[6], [5]], where, hint, mistakes={greedy: greedy_decode(tree, src, **ids)})
+    passed(name)
+
+
+def check_mlp(cls: type) -> None:
+    """`MLP(d_model, d_mlp, act_fn="gelu_new")`: `act(x @ W_in + b_in) @ W_out + b_out`, hooked."""
+    name, x = "MLP", randn(2, 5, 16, seed=3, dtype=torch.float32)
+    params = {"W_in": (16, 64), "b_in": (64,), "W_out": (64, 16), "b_out": (16,)}
+    mlp = perturb(build_module(name, cls, 16, 64, params=params), 0, 1.0)
+    W_in, b_in, W_out, b_out = (getattr(mlp, p).detach() for p in params)
+    act = lambda f: f(x @ W_in + b_in) @ W_out + b_out
+    mistakes = {
+        "GPT-2 uses gelu_new, F.gelu(x, approximate='tanh'), not the exact GELU.": act(F.gelu),
+        "the activation is GELU (gelu_new), not ReLU.": act(F.relu),
+    }
+    hint, expected = "x @ W_in + b_in, gelu_new, @ W_out + b_out.", act(ACTIVATIONS["gelu_new"])
+    expect_close(call(name, mlp, x), expected, name, hint, mistakes=mistakes)
+    for act_fn in ("relu", "gelu", "gelu_new"):
+        where = f"{name}(act_fn={act_fn!r})"
+        theirs, reference = call(where, cls, 16, 64, act_fn=act_fn), ReferenceMLP(16, 64, act_fn)
+        reference.load_state_dict(mlp.state_dict()), theirs.load_state_dict(mlp.state_dict())
+        hint = "use the activation the module was built with, ACTIVATIONS[self.act_fn]."
+        expect_close(call(where, theirs, x), reference(x).detach(), where, hint)
+    hooks = {"hook_pre": "x @ W_in + b_in, before the activation", "hook_post": "act's output"}
+    hooks = {hook: f"pass {what} through self.{hook}." for hook, what in hooks.items()}
+    expect_hooks(name, mlp, reference, hooks, x, atol=1e-6)
     passed(name)
