@@ -124,8 +124,10 @@ def tests_using(name: str) -> list[str]:
     return sorted(p.name for p in (ROOT / "tests").glob("test_*.py") if word.search(p.read_text()))
 
 
-def page_for(chapter: int) -> str:
-    return next((ROOT / "book").glob(f"{chapter:02d}_*.ipynb")).stem
+def page_for(chapter: int) -> str | None:
+    """The chapter's book page, or None while it has none (the code comes first)."""
+    page = next((ROOT / "book").glob(f"{chapter:02d}_*.ipynb"), None)
+    return None if page is None else page.stem
 
 
 def render(found: list[Component]) -> str:
@@ -140,11 +142,12 @@ def render(found: list[Component]) -> str:
         "docstring; a test keeps it current.",
     ]
     for chapter in sorted({c.chapter for c in found}):
+        page = page_for(chapter)
         rows += [
             "",
             f"## Chapter {chapter}",
             "",
-            f"The chapter: {{doc}}`{page_for(chapter)}`.",
+            f"The chapter: {{doc}}`{page}`." if page else "The chapter's page is to come.",
             "",
             "| component | tests | exercise | checker |",
             "|---|---|---|---|",

@@ -31,6 +31,10 @@ CHAPTER = {
     "translation": 5,
     "gpt2_weights": 6,
     "gpt2": 6,
+    "rope": 7,
+    "llama_weights": 7,
+    "llama": 7,
+    "optim": 7,
     "checks": CHECKS,
     "parts": CHECKS,  # runs the checks on the learner's saved parts
 }

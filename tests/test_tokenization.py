@@ -322,6 +322,92 @@ def test_special_tokens_longest_match_first() -> None:
     assert tokenizer.decode([257, 256]) == "<e>><e>"
 
 
+def random_pieces(text: str, seed: int, longest: int = 12) -> list[str]:
+    """`text` cut at random places into pieces of 0 to `longest` characters."""
+    rng, pieces, start = random.Random(seed), [], 0
+    while start < len(text):
+        stop = start + rng.randint(0, longest)
+        pieces.append(text[start:stop])
+        start = stop
+    return pieces
+
+
+# Contractions decided late ("'l" + "l"), runs of spaces, digits, special tokens and their
+# prefixes, multi-byte characters: the places where a cut could change the ids.
+STREAM_TEXT = (
+    f"We'll see; they've gone.  It's   9000 {EOT}x{EOT}{EOT} <|endof <|end \n\n"
+    "  café 日本 🙂 I'd you're 'll\n"
+)
+
+
+def test_encode_iterable_equals_encode_for_any_cut(small_bpe: BPETokenizer, shakespeare: str):
+    """Cut anywhere, even inside a special token or a word. The second tokenizer has merges
+    for contractions, so holding back only the last chunk fails ("We'l" splits as We ' l, and
+    "'" would be encoded before "'ll" is complete)."""
+    text = STREAM_TEXT + shakespeare[:1500].replace("\n\n", f"\n{EOT}") + STREAM_TEXT + "<|endo"
+    contractions = BPETokenizer.train(
+        "We'll see, they've gone; it's I'd you're    9000 " * 30,
+        330,
+        pattern=GPT2_SPLIT_PATTERN,
+        special_tokens=[EOT],
+    )
+    assert len(contractions.encode("'ll")) == 1
+    for tokenizer in (small_bpe, contractions):
+        expected = tokenizer.encode(text)
+        for seed in range(30):
+            pieces = random_pieces(text, seed, longest=[1, 3, 12, 80][seed % 4])
+            assert list(tokenizer.encode_iterable(pieces)) == expected, seed
+        assert list(tokenizer.encode_iterable(text)) == expected  # one character at a time
+    assert list(small_bpe.encode_iterable([])) == []
+    chars = CharTokenizer(text)  # every tokenizer streams; characters are their own chunks
+    assert list(chars.encode_iterable(random_pieces(text, 0))) == chars.encode(text)
+    cuts = ["It's a we'", "ll do <|endof", "text|>", "<", "|endoftext|", ">"]
+    assert list(small_bpe.encode_iterable(cuts)) == small_bpe.encode("".join(cuts))
+
+
+@pytest.mark.parametrize(
+    "specials, pattern",
+    [
+        (["<e>", "<e>>"], None),
+        (["<e>", "<e>>", "e>x"], None),
+        ([EOT, "text|>!"], GPT2_SPLIT_PATTERN),
+    ],
+)
+def test_encode_iterable_with_overlapping_special_tokens(specials, pattern) -> None:
+    """A special token that is the start of a longer one ("<e>" of "<e>>"), or whose end starts
+    another ("<e>" and "e>x"), waits for what follows it; without a pattern, so does the text."""
+    training = "hello <e> there e>x text!\n" * 20
+    tokenizer = BPETokenizer.train(training, 300, pattern=pattern, special_tokens=specials)
+    text = f"hello<e>> there <e>x e>x <e> a{EOT}! {EOT}text|>!" * 4 + "<e"
+    expected = tokenizer.encode(text)
+    for seed in range(30):
+        assert list(tokenizer.encode_iterable(random_pieces(text, seed, 5))) == expected, seed
+
+
+def test_encode_iterable_is_lazy(small_bpe: BPETokenizer, shakespeare: str) -> None:
+    lines = shakespeare.splitlines(keepends=True)[:400]
+    read = 0
+
+    def reading():
+        nonlocal read
+        for line in lines:
+            read += 1
+            yield line
+
+    ids = small_bpe.encode_iterable(reading())
+    first = next(ids)
+    assert read <= 2  # the first line's ids come once the second line is read
+    assert [first, *ids] == small_bpe.encode("".join(lines))
+    assert read == len(lines)
+
+
+def test_encode_iterable_names_a_bad_piece(small_bpe: BPETokenizer) -> None:
+    with pytest.raises(TypeError, match=r"iterable\[1\]"):
+        list(small_bpe.encode_iterable(["ok", b"bytes"]))
+    with pytest.raises(ValueError, match=r"iterable\[0\]"):
+        list(small_bpe.encode_iterable(["\ud800"]))
+
+
 def test_save_load_round_trip(small_bpe: BPETokenizer, shakespeare: str, tmp_path) -> None:
     path = tmp_path / "bpe.json"
     small_bpe.save(path)

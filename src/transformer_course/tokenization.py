@@ -17,9 +17,10 @@ from __future__ import annotations
 import heapq
 import re
 from collections import Counter
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from itertools import chain
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any
 
 import regex
@@ -48,6 +49,10 @@ __all__ = [
 
 CACHE_SIZE = 1_000_000  # chunks, and words, whose ids a BPETokenizer remembers (each)
 SHORT_CHUNK = 48  # up to this many bytes, encode_chunk's scan beats encode_long_chunk's heap
+# encode_iterable encodes a pre-split chunk once this many characters follow it: the furthest
+# GPT-2's pattern (and tiktoken's cl100k and o200k) looks past a chunk is a contraction of up to
+# 3 characters ("x'l" splits as x ' l, but "x'll" as x 'll).
+STREAM_LOOKAHEAD = 3
 
 # No chunk of GPT-2's pattern crosses a space that comes before a non-space character, so text
 # can be cut there first, fast. `re`'s \s covers every character `regex`'s \s covers (the tests
@@ -311,12 +316,20 @@ class _Memo(dict):
 
 
 class Tokenizer:
-    """The interface every tokenizer here has: `encode`, `decode` and `vocab_size`.
+    """The interface every tokenizer here has: `encode`, `decode` and `vocab_size`, and
+    `encode_iterable`, which streams `encode` over pieces of text.
+
+    `encode_iterable` needs two facts about a tokenizer: the chunks it encodes independently of
+    each other (`_split`, here one per character; None: the whole text is one chunk) and the
+    special tokens it recognises first (`special_tokens`, `_special_split`).
 
     Course: chapter 1.
     """
 
     vocab: dict[int, Any]
+    special_tokens: Mapping[str, int] = MappingProxyType({})
+    _split: regex.Pattern | None = regex.compile(r"(?s).")
+    _special_split: regex.Pattern | None = None
 
     @property
     def vocab_size(self) -> int:
@@ -330,6 +343,52 @@ class Tokenizer:
     def decode(self, ids: Iterable[int]) -> str:
         """Token ids to text."""
         raise NotImplementedError
+
+    def encode_iterable(self, iterable: Iterable[str]) -> Iterator[int]:
+        """The ids of the strings of `iterable` joined (the lines of a file, say), yielded as
+        soon as they are known: `list(encode_iterable(pieces)) == encode("".join(pieces))`,
+        without holding the whole text.
+
+        Text waits until nothing that may follow can change its ids (`settled_length`): its
+        last chunks ("hel" + "lo" is one chunk), and an end that could begin a special token
+        ("<|endof" + "text|>"). Without a pattern, the text between special tokens is one
+        chunk, so its ids come at the next special token or at the end.
+        """
+        held = ""
+        for index, piece in enumerate(iterable):
+            held += validate.text(f"iterable[{index}]", piece, utf8=True)
+            done = self.settled_length(held)
+            yield from self.encode(held[:done])
+            held = held[done:]
+        yield from self.encode(held)
+
+    def settled_length(self, text: str) -> int:
+        """The length of the longest start of `text` whose ids no continuation can change: the
+        text up to the last special token that cannot grow into a longer one, then the chunks
+        that `STREAM_LOOKAHEAD` characters follow."""
+        end, tail_start = self._before_partial_special(text), 0
+        for match in self._special_split.finditer(text) if self._special_split else ():
+            if match.start() >= end:
+                break
+            if match.end() > end:  # a special token that overlaps one that may still grow
+                end = match.start()
+                break
+            tail_start = match.end()
+        tail, done = text[tail_start:end], 0
+        for chunk in split_chunks(tail, self._split):
+            if done + len(chunk) > len(tail) - STREAM_LOOKAHEAD:
+                break
+            done += len(chunk)
+        return tail_start + done
+
+    def _before_partial_special(self, text: str) -> int:
+        """Where the end of `text` starts to spell part of a special token (len(text) if not)."""
+        longest = max(map(len, self.special_tokens), default=0)
+        for start in range(max(0, len(text) - longest + 1), len(text)):
+            rest = text[start:]
+            if any(token.startswith(rest) and token != rest for token in self.special_tokens):
+                return start
+        return len(text)
 
 
 class CharTokenizer(Tokenizer):

@@ -240,6 +240,66 @@ def head_size(d_model: Any, n_heads: Any, d_head: Any = None) -> int:
     return positive_int("d_head", d_head)
 
 
+def even(name: str, value: Any, why: str = "") -> int:
+    """An even int >= 2; `why` says why it must be even."""
+    if not is_int(value) or value < 2 or value % 2:
+        because = f" ({why})" if why else ""
+        raise ValueError(f"{name}: expected an even int >= 2{because}, got {value!r}")
+    return int(value)
+
+
+def divisor(name: str, value: Any, of_name: str, of: int) -> int:
+    """A positive int that divides another argument's value `of` (named `of_name`)."""
+    if not is_int(value) or value < 1 or of % value:
+        raise ValueError(f"{name}: expected a positive divisor of {of_name}={of}, got {value!r}")
+    return int(value)
+
+
+def rope_input(x: Any, d_head: int | None = None) -> Tensor:
+    """Queries or keys `x` `(..., pos, d_head)` of a floating dtype with an even `d_head` (RoPE
+    rotates pairs of dims) and, given `d_head`, that one."""
+    if not isinstance(x, Tensor) or x.ndim < 2 or not x.is_floating_point():
+        got = type(x).__name__
+        if isinstance(x, Tensor):
+            got = f"a {x.dtype} tensor of shape {tuple(x.shape)}"
+        raise ValueError(f"x: expected a floating-point tensor (..., pos, d_head), got {got}")
+    if d_head is not None and x.shape[-1] != d_head:
+        raise ValueError(
+            f"x: expected last dim d_head={d_head}, got {x.shape[-1]} (shape {tuple(x.shape)})"
+        )
+    even("d_head (the last dim of x)", x.shape[-1], "RoPE rotates pairs of dims")
+    return x
+
+
+def rope_positions(positions: Any, x: Tensor, n_ctx: int | None = None) -> Tensor:
+    """Integer `positions` `(..., pos)` that broadcast to the leading dims `(..., pos)` of `x`
+    and, given `n_ctx`, lie in [0, n_ctx) (rows of a table; reading them costs a host
+    synchronisation, which compiled code skips)."""
+    if not isinstance(positions, Tensor) or positions.ndim == 0 or positions.dtype == torch.bool:
+        got = type(positions).__name__
+        if isinstance(positions, Tensor):
+            got = f"a {positions.dtype} tensor of shape {tuple(positions.shape)}"
+        raise ValueError(f"positions: expected an integer tensor (..., pos), got {got}")
+    if positions.is_floating_point() or positions.is_complex():
+        raise ValueError(f"positions: expected an integer dtype, got {positions.dtype}")
+    try:
+        fits = torch.broadcast_shapes(positions.shape, x.shape[:-1]) == x.shape[:-1]
+    except RuntimeError:
+        fits = False
+    if not fits:
+        raise ValueError(
+            f"positions: expected a shape broadcastable to x's (..., pos) {tuple(x.shape[:-1])}, "
+            f"got {tuple(positions.shape)}"
+        )
+    if n_ctx is not None and positions.numel() and not torch.compiler.is_compiling():
+        low, high = torch.stack(torch.aminmax(positions)).tolist()
+        if low < 0 or high >= n_ctx:
+            raise ValueError(
+                f"positions: expected positions in [0, n_ctx={n_ctx}), got {low} to {high}"
+            )
+    return positions
+
+
 def attention_input(
     name: str, t: Any, d_model: int, dtype: torch.dtype, batch: int | None = None
 ) -> Tensor:
