@@ -39,7 +39,7 @@ from transformer_course.llama import (
     LlamaBlock,
     LlamaConfig,
     SwiGLU,
-    forward_with_cache,
+    llama_forward_with_cache,
     llama_mlp_size,
     silu,
 )
@@ -285,12 +285,12 @@ def test_kv_cache_gives_the_full_forward_logits(fast_path):
         full = model(ids)
         cache, pieces = None, []
         for start, stop in ((0, 5), (5, 6), (6, 7), (7, 20), (20, N_CTX)):
-            logits, cache = forward_with_cache(model, ids[:, start:stop], cache)
+            logits, cache = llama_forward_with_cache(model, ids[:, start:stop], cache)
             pieces.append(logits)
     assert len(cache) == 2 and cache[0][0].shape == (2, 2, N_CTX, 8)  # n_kv_heads, not n_heads
     assert (torch.cat(pieces, dim=1) - full).abs().max().item() <= 1e-10
     with pytest.raises(ValueError, match="tokens"):
-        forward_with_cache(model, ids[:, :1], cache)
+        llama_forward_with_cache(model, ids[:, :1], cache)
 
 
 def test_fast_path_matches_the_einsum_path():

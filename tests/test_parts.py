@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import inspect
 import linecache
+import typing
 
 import pytest
 import torch
@@ -114,3 +115,18 @@ def test_whose_parts_names_each_part_of_the_chapters_so_far(tmp_path, capsys):
     assert f"2 of {len(whose)} parts are yours" in capsys.readouterr().out
     del namespace["RMSNorm"]
     assert whose_parts(namespace, chapter=4)["RMSNorm"] == "the course's"  # missing: not yours
+
+
+def test_the_course_modules_never_give_one_name_two_meanings():
+    """`load_parts` pours every course module into one namespace: a name two modules define
+    differently (say two `Unembed`s) would silently replace a part with another."""
+    seen: dict = {}
+    clashes = []
+    for module in parts._course_modules():
+        for name, value in vars(module).items():
+            if name.startswith("__") or isinstance(value, typing.TypeVar):
+                continue
+            if name in seen and seen[name][1] is not value:
+                clashes.append(f"{name}: {seen[name][0]} and {module.__name__}")
+            seen[name] = (module.__name__, value)
+    assert clashes == []

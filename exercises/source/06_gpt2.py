@@ -349,7 +349,8 @@ keep(train_loop)
 # Shakespeare, one token per character; your `GPT2`, built from your embeddings and your
 # chapter 5 blocks (with your chapter 2 attention, your chapter 3 masks and your chapter 4
 # layer norms), trains with your loop, step, schedule, batches and validation loss, and your
-# `generate` writes. The table says whose each part is. The model is nanoGPT's "baby GPT" for
+# `generate` writes. The table says whose each part is (the optional KV cache, exercise
+# 6.13, comes after). The model is nanoGPT's "baby GPT" for
 # CPUs: 4 layers, 4 heads, width 128, a context of 64 characters. A loss of ln(65) ≈ 4.17 is a
 # uniform guess over the 65 characters; a couple of minutes of CPU training bring it near 2,
 # where the samples take Shakespeare's layout: names, then lines.
@@ -448,6 +449,12 @@ seconds_with = time.perf_counter() - started
 print(f"{n_new} greedy tokens: {seconds_without:.3f} s without the cache, "
       f"{seconds_with:.3f} s with it")
 print(f"the same tokens: {torch.equal(without_cache, with_cache)}")
+
+# %% [markdown]
+# With the KV cache written, every part of chapters 1–6 in this notebook is yours:
+
+# %% [check] tags=nbval-ignore-output
+whose_parts(globals(), chapter=6);
 
 # %% [markdown]
 # ## More to try

@@ -12,7 +12,8 @@
 No layer has a bias, and the unembedding may be tied to the token embedding. Parameter and hook
 names follow TransformerLens (`W_Q`, `W_gate`, `hook_rot_q`, ...); `Llama.from_huggingface`
 copies the weights of a Hugging Face `LlamaForCausalLM` (the conversion is in `llama_weights`),
-and `forward_with_cache` runs generation steps on a KV cache, as `gpt2.forward_with_cache` does.
+and `llama_forward_with_cache` runs generation steps on a KV cache, as
+`gpt2.forward_with_cache` does.
 """
 
 from __future__ import annotations
@@ -43,9 +44,9 @@ __all__ = [
     "SwiGLU",
     "GroupedQueryAttention",
     "LlamaBlock",
-    "Unembed",
+    "LlamaUnembed",
     "Llama",
-    "forward_with_cache",
+    "llama_forward_with_cache",
 ]
 
 
@@ -340,7 +341,7 @@ class LlamaBlock(HookedRootModule):
         return self.hook_resid_post(resid)
 
 
-class Unembed(nn.Module):
+class LlamaUnembed(nn.Module):
     """Logits `x @ W_U`, without a bias; given the token embedding, tied to it: `x @ W_E.T`, with
     `W_E` the embedding's own parameter registered here under a second name.
 
@@ -377,7 +378,7 @@ class Llama(HookedRootModule):
         self.hook_embed = HookPoint()  # [batch, pos, d_model]
         self.blocks = nn.ModuleList(LlamaBlock(cfg) for _ in range(cfg.n_layers))
         self.ln_final = RMSNorm(cfg.d_model, eps=cfg.norm_eps)
-        self.unembed = Unembed(cfg, self.embed if cfg.tie_embeddings else None)
+        self.unembed = LlamaUnembed(cfg, self.embed if cfg.tie_embeddings else None)
         self.setup()
 
     def forward(self, tokens: Int[Tensor, "batch pos"]) -> Float[Tensor, "batch pos d_vocab"]:
@@ -406,7 +407,7 @@ class Llama(HookedRootModule):
         return model
 
 
-def forward_with_cache(
+def llama_forward_with_cache(
     model: Llama, tokens: Int[Tensor, "batch new"], cache: KVCache | None = None
 ) -> tuple[Float[Tensor, "batch new d_vocab"], KVCache]:
     """The model's forward pass for `tokens` that continue the positions held in `cache`: the
