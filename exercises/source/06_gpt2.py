@@ -350,10 +350,10 @@ keep(train_loop)
 # chapter 5 blocks (with your chapter 2 attention, your chapter 3 masks and your chapter 4
 # layer norms), trains with your loop, step, schedule, batches and validation loss, and your
 # `generate` writes. The table says whose each part is (the optional KV cache, exercise
-# 6.13, comes after). The model is nanoGPT's "baby GPT" for
-# CPUs: 4 layers, 4 heads, width 128, a context of 64 characters. A loss of ln(65) ≈ 4.17 is a
-# uniform guess over the 65 characters; a couple of minutes of CPU training bring it near 2,
-# where the samples take Shakespeare's layout: names, then lines.
+# 6.13, comes after). The model is nanoGPT's "baby GPT" for CPUs: 4 layers, 4 heads, width
+# 128, a context of 64 characters. A loss of ln(65) ≈ 4.17 is a uniform guess over the 65
+# characters; a couple of minutes of CPU training bring it near 2, where the samples take
+# Shakespeare's layout: names, then lines.
 
 # %% [check] tags=nbval-ignore-output
 from transformer_course.data import load_text
