@@ -453,7 +453,7 @@ print(f"the same tokens: {torch.equal(without_cache, with_cache)}")
 # %% [markdown]
 # With the KV cache written, every part of chapters 1–6 in this notebook is yours:
 
-# %% [check] tags=nbval-ignore-output
+# %% tags=nbval-ignore-output
 whose_parts(globals(), chapter=6);
 
 # %% [markdown]
