@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -335,13 +333,3 @@ def test_contract_names_are_found_in_encoder_decoder():
     assert encoder_decoder.translate is translation.translate
     with pytest.raises(AttributeError, match="no attribute 'pad_batch'"):
         encoder_decoder.pad_batch  # noqa: B018
-
-
-@pytest.mark.parametrize("first", ["encoder_decoder", "decoding", "translation"])
-def test_modules_import_in_any_order(first):
-    """No import cycle: each module imports on its own in a fresh interpreter."""
-    code = (
-        f"import transformer_course.{first}\n"
-        "from transformer_course.encoder_decoder import translate, greedy_decode, beam_search"
-    )
-    subprocess.run([sys.executable, "-c", code], check=True)

@@ -454,7 +454,7 @@ print(f"the same tokens: {torch.equal(without_cache, with_cache)}")
 # With the KV cache written, every part of chapters 1–6 in this notebook is yours:
 
 # %% tags=nbval-ignore-output
-whose_parts(globals(), chapter=6);
+whose = whose_parts(globals(), chapter=6)
 
 # %% [markdown]
 # ## More to try
