@@ -11,6 +11,7 @@ import einops
 import pytest
 import torch
 import torch.nn.functional as F
+from checking import fails
 from torch import nn
 
 from transformer_course.attention import scaled_dot_product_attention
@@ -29,7 +30,6 @@ from transformer_course.checks.gpt2 import (
     check_unembed,
     check_weight_conversion,
 )
-from transformer_course.checks.harness import CheckFailure
 from transformer_course.gpt2 import (
     GPT2,
     Embed,
@@ -45,14 +45,6 @@ from transformer_course.gpt2_weights import convert_hf_gpt2_state_dict
 from transformer_course.masking import causal_mask
 from transformer_course.runtime import evaluating
 from transformer_course.training import History, cosine_lr, estimate_loss, sample_batch
-
-
-def fails(check, candidate, *words: str) -> None:
-    with pytest.raises(CheckFailure) as info:
-        check(candidate)
-    message = str(info.value)
-    for word in words:
-        assert word.lower() in message.lower(), f"{word!r} not in: {message}"
 
 
 @pytest.mark.parametrize(

@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from checking import fails
 
 from transformer_course.blocks import ACTIVATIONS, MLP, TransformerBlock, residual_sublayer
 from transformer_course.checks.harness import CheckFailure
@@ -525,14 +526,6 @@ def test_seq2seq_block_bugs_are_named(wrong, words):
 def test_a_block_written_without_residual_sublayer_passes(capsys):
     check_seq2seq_block(block_with())
     assert "passes every check" in capsys.readouterr().out
-
-
-def fails(check, candidate, *words: str) -> None:
-    with pytest.raises(CheckFailure) as info:
-        check(candidate)
-    message = str(info.value)
-    for word in words:
-        assert word.lower() in message.lower(), f"{word!r} not in: {message}"
 
 
 # The MLP.

@@ -193,11 +193,7 @@ def halves_to_adjacent(
 
     Course: chapter 7.
     """
-    moved = weight.movedim(dim, -1)
-    validate.divisor("n_heads", n_heads, "weight.shape[dim]", moved.shape[-1])
-    validate.even("d_head", moved.shape[-1] // n_heads, "RoPE rotates pairs of dims")
-    out = einops.rearrange(moved, "... (head two half) -> ... (head half two)", head=n_heads, two=2)
-    return out.movedim(-1, dim)
+    return _reorder(weight, n_heads, dim, "(head two half) -> (head half two)")
 
 
 def adjacent_to_halves(
@@ -207,8 +203,14 @@ def adjacent_to_halves(
 
     Course: chapter 7.
     """
+    return _reorder(weight, n_heads, dim, "(head half two) -> (head two half)")
+
+
+def _reorder(weight: Tensor, n_heads: int, dim: int, pattern: str) -> Tensor:
+    """`weight` with the entries of each head along `dim` reordered as `pattern` says."""
     moved = weight.movedim(dim, -1)
     validate.divisor("n_heads", n_heads, "weight.shape[dim]", moved.shape[-1])
     validate.even("d_head", moved.shape[-1] // n_heads, "RoPE rotates pairs of dims")
-    out = einops.rearrange(moved, "... (head half two) -> ... (head two half)", head=n_heads, two=2)
+    source, target = pattern.split(" -> ")
+    out = einops.rearrange(moved, f"... {source} -> ... {target}", head=n_heads, two=2)
     return out.movedim(-1, dim)
