@@ -483,3 +483,137 @@ def test_rotary_embedding_caches_apply_rope():
 def test_rope_bad_inputs_name_the_argument(call, word):
     with pytest.raises(ValueError, match=word):
         call()
+
+
+# --- the model against TransformerLens's HookedTransformer -----------------------------------
+
+TL_BIASES = ("b_Q", "_b_K", "_b_V", "b_O", "b_in", "b_out", "b_U")
+TL_ROTATED = ("hook_q", "hook_k", "hook_rot_q", "hook_rot_k")  # the dims RoPE pairs up
+
+
+def random_tiny_llama() -> Llama:
+    """A float64 GQA model (4 query heads, 2 KV heads, untied) with random weights, RMSNorm gains
+    included, a RoPE base and an eps other than the defaults."""
+    cfg = LlamaConfig(
+        d_model=32,
+        n_layers=2,
+        n_heads=4,
+        n_kv_heads=2,
+        d_vocab=50,
+        n_ctx=16,
+        rope_theta=100.0,
+        norm_eps=1e-4,
+        init_range=0.3,
+    )
+    torch.manual_seed(0)
+    model = Llama(cfg).double().eval()
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith(".w"):  # the RMSNorm gains, all ones at init
+                param.add_(0.3 * torch.randn(param.shape, generator=generator, dtype=param.dtype))
+    return model
+
+
+def hooked_transformer_holding(ours: Llama, layout: str, angles: str):
+    """TransformerLens's `HookedTransformer` configured as `ours`, holding its weights: the same
+    state-dict names except GQA's unrepeated `_W_K` `_W_V`, and TransformerLens's biases zero.
+
+    `layout="halves"` runs TransformerLens's default (GPT-NeoX, Hugging Face) rotary with
+    `adjacent_to_halves` applied to the d_head columns of W_Q and W_K. `angles="course"`
+    replaces TransformerLens's float64 cos and sin tables by the course's float32 ones."""
+    from transformer_lens import HookedTransformer
+
+    cfg = ours.cfg
+    reference = HookedTransformer(
+        HookedTransformerConfig(
+            d_model=cfg.d_model,
+            n_layers=cfg.n_layers,
+            n_heads=cfg.n_heads,
+            d_head=cfg.d_head,
+            n_key_value_heads=cfg.n_kv_heads,
+            d_mlp=cfg.d_mlp,
+            d_vocab=cfg.d_vocab,
+            n_ctx=cfg.n_ctx,
+            act_fn="silu",
+            gated_mlp=True,
+            normalization_type="RMS",
+            final_rms=True,
+            eps=cfg.norm_eps,
+            positional_embedding_type="rotary",
+            rotary_base=cfg.rope_theta,
+            rotary_adjacent_pairs=layout == "adjacent",
+            dtype=torch.float64,
+        )
+    ).eval()
+    state = reference.state_dict()
+    biases = [name for name in state if name.rsplit(".", 1)[-1] in TL_BIASES]
+    for name in biases:
+        state[name] = torch.zeros_like(state[name])
+    copied = []
+    for name, weight in ours.state_dict().items():
+        name = name.replace("attn.W_K", "attn._W_K").replace("attn.W_V", "attn._W_V")
+        if layout == "halves" and name.endswith(("W_Q", "_W_K")):
+            weight = adjacent_to_halves(weight)  # (head, d_model, d_head): per head, last dim
+        assert state[name].shape == weight.shape, name
+        state[name] = weight
+        copied.append(name)
+    assert {name for name, _ in reference.named_parameters()} == {*copied, *biases}
+    if angles == "course":
+        for layer, block in enumerate(ours.blocks):
+            for table in ("cos", "sin"):  # TL's tables repeat each pair's value at its two dims
+                ours_table = getattr(block.attn.rotary, table).double()  # (n_ctx, d_head / 2)
+                if layout == "adjacent":
+                    tl_table = ours_table.repeat_interleave(2, dim=-1)  # dims 2i and 2i + 1
+                else:
+                    tl_table = torch.cat((ours_table, ours_table), dim=-1)  # i and i + d_head/2
+                name = f"blocks.{layer}.attn.rotary_{table}"
+                assert state[name].shape == tl_table.shape, name
+                state[name] = tl_table
+    reference.load_state_dict(state)
+    return reference
+
+
+@pytest.mark.filterwarnings("ignore:HookedTransformer is deprecated:DeprecationWarning")
+@pytest.mark.parametrize("layout", ["adjacent", "halves"])
+@pytest.mark.parametrize("angles, tolerance", [("transformer_lens", 1e-5), ("course", 1e-12)])
+def test_matches_transformer_lens_hooked_transformer(layout, angles, tolerance):
+    """The logits and every hooked activation against TransformerLens's `HookedTransformer` with
+    rotary positions, RMSNorm (same formula: `x / sqrt(mean(x^2) + eps) * w`), a SiLU-gated MLP
+    and grouped-query attention (TL repeats KV heads with `repeat_interleave`: query head h reads
+    KV head h // group, as the course does). Every course hook name exists in TransformerLens and
+    each activation has the same shape there (`hook_k` `hook_v` `hook_rot_k` with n_kv_heads
+    heads on both sides).
+
+    Tolerance, relative to the largest magnitude of each reference tensor, in float64:
+
+    - TransformerLens's own angles: 1e-5 (measured ~3e-7; logits ~2e-6 absolute on logits of
+      order 6). TL computes the angles in float64 (`pos / base^(2i/d_head)`), the course in
+      float32 as Meta's and Hugging Face's code do; an angle of up to 15 rad rounded in float32
+      is off by ~1e-6 rad, and that is the whole difference:
+    - the course's float32 cos and sin copied into TL's tables: 1e-12 (measured ~2e-15).
+
+    `layout="halves"`: TL's default rotary turns dim i with dim i + d_head/2 (GPT-NeoX, Hugging
+    Face); with W_Q's and W_K's columns permuted by `adjacent_to_halves` it gives the same model,
+    its q and k (`hook_q` `hook_k` `hook_rot_q` `hook_rot_k`) in halves order, compared after
+    `halves_to_adjacent`. Masked attention scores differ by convention (the course fills the
+    most negative float, TL -inf), so the scores are compared where the causal mask allows.
+    """
+    ours = random_tiny_llama()
+    reference = hooked_transformer_holding(ours, layout, angles)
+    ids = torch.randint(0, 50, (2, 16), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        logits, cache = ours.run_with_cache(ids)
+        expected, tl_cache = reference.run_with_cache(ids)
+    assert logits.shape == expected.shape == (2, 16, 50)
+    assert (logits - expected).abs().max().item() <= tolerance * expected.abs().max().item()
+    assert len(cache) == 43 and set(cache.keys()) <= set(tl_cache.keys())
+    allowed = torch.ones(16, 16, dtype=torch.bool).tril()
+    for name, actual in cache.items():
+        theirs = tl_cache[name]
+        assert actual.shape == theirs.shape, name
+        if layout == "halves" and name.endswith(TL_ROTATED):
+            theirs = halves_to_adjacent(theirs)
+        if name.endswith("hook_attn_scores"):
+            actual, theirs = actual[..., allowed], theirs[..., allowed]
+        assert (actual - theirs).abs().max().item() <= tolerance * theirs.abs().max().item(), name

@@ -147,7 +147,7 @@ class LlamaConfig:
 def silu(x: Float[Tensor, "*shape"]) -> Float[Tensor, "*shape"]:
     """SiLU, also called swish: `x * sigmoid(x)`. Like GELU, a ReLU smoothed near 0.
 
-    Course: chapter 7.
+    Course: chapter 7, exercise 7.4, checked by checks.llama.check_silu.
     """
     return x * torch.sigmoid(x)
 
@@ -159,7 +159,7 @@ class SwiGLU(nn.Module):
     as in TransformerLens's `GatedMLP`: `hook_pre` (the gate before silu), `hook_pre_linear`
     (`x W_in`) and `hook_post` (their product, the neurons).
 
-    Course: chapter 7.
+    Course: chapter 7, exercise 7.5, checked by checks.llama.check_swiglu.
     """
 
     def __init__(self, d_model: int, d_mlp: int, *, init_range: float = 0.02):
@@ -205,7 +205,7 @@ class GroupedQueryAttention(HookedRootModule):
     the cached ones. `fast_path=True` (or `attention.set_fast_path`) calls PyTorch's fused
     attention instead of the einsums; the pattern hooks are then not run.
 
-    Course: chapter 7.
+    Course: chapter 7, exercise 7.6, checked by checks.llama.check_grouped_query_attention.
     """
 
     def __init__(
@@ -306,7 +306,7 @@ class LlamaBlock(HookedRootModule):
     sublayer (pre-norm) and the residual stream itself never normalised. Hook points as in
     TransformerLens's blocks (`hook_resid_pre`, `hook_attn_out`, `hook_resid_mid`, ...).
 
-    Course: chapter 7.
+    Course: chapter 7, exercise 7.7, checked by checks.llama.check_llama_block.
     """
 
     def __init__(self, cfg: LlamaConfig):
@@ -368,7 +368,7 @@ class Llama(HookedRootModule):
     positions. Like `GPT2`, a TransformerLens `HookedRootModule`: `run_with_cache(tokens)`
     returns the logits and every hooked activation.
 
-    Course: chapter 7.
+    Course: chapter 7, exercise 7.8, checked by checks.llama.check_llama.
     """
 
     def __init__(self, cfg: LlamaConfig):

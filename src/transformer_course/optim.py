@@ -42,7 +42,7 @@ class AdamW(torch.optim.Optimizer):
     (a training loop sets `group["lr"]` each step, e.g. from `training.cosine_lr`), and saves
     and loads its state with `state_dict` / `load_state_dict`.
 
-    Course: chapter 7.
+    Course: chapter 7, exercise 7.11, checked by checks.llama.check_adamw.
     """
 
     def __init__(
@@ -104,7 +104,7 @@ def clip_grad_norm(parameters: Tensor | Iterable[Tensor], max_norm: float) -> Fl
     without a gradient are skipped (no gradient at all: the norm is 0). A non-finite norm is
     returned as it is, so a training loop can skip that step.
 
-    Course: chapter 7.
+    Course: chapter 7, exercise 7.10, checked by checks.llama.check_clip_grad_norm.
     """
     params = [parameters] if isinstance(parameters, Tensor) else list(parameters)
     validate.number("max_norm", max_norm, low=0)
@@ -132,7 +132,7 @@ def cross_entropy(
     log-sum-exp trick). The shift is a constant, with no gradient. float16 and bfloat16 logits
     are computed in float32, and so is the loss returned; other dtypes keep theirs.
 
-    Course: chapter 7.
+    Course: chapter 7, exercise 7.9, checked by checks.llama.check_cross_entropy.
     """
     if not isinstance(logits, Tensor) or logits.ndim == 0 or not logits.is_floating_point():
         got = type(logits).__name__

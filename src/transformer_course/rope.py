@@ -48,7 +48,7 @@ def rope_angles(
     """The angle of each pair `i` (of `d_head / 2`) at each position: `p * theta^(-2i / d_head)`,
     in float32. Pair 0 turns by one radian per position; the last pair, almost not at all.
 
-    Course: chapter 7.
+    Course: chapter 7, exercise 7.1, checked by checks.llama.check_rope_angles.
     """
     validate.even("d_head", d_head, "RoPE rotates pairs of dims")
     validate.number("theta", theta, low=0, low_open=True)
@@ -65,7 +65,7 @@ def rotate_pairs(
     """Turn each adjacent pair `(x[2i], x[2i+1])` by the angle whose cosine and sine are given:
     `(a, b) -> (a cos - b sin, a sin + b cos)`.
 
-    Course: chapter 7.
+    Course: chapter 7, exercise 7.2, checked by checks.llama.check_rotate_pairs.
     """
     pairs = einops.rearrange(upcast(x), "... (half two) -> ... half two", two=2)
     a, b = pairs[..., 0], pairs[..., 1]
@@ -102,7 +102,7 @@ class RotaryEmbedding(nn.Module):
     float32 when the module is cast (`.to(dtype)` computes them again in float32 on the
     module's device).
 
-    Course: chapter 7.
+    Course: chapter 7, exercise 7.3, checked by checks.llama.check_rotary_embedding.
     """
 
     def __init__(self, d_head: int, n_ctx: int, theta: float = 10000.0) -> None:

@@ -15,6 +15,7 @@ from transformer_course.checks.harness import (
     OVERFLOW_HINT,
     call,
     expect,
+    expect_cached,
     expect_close,
     expect_mask_not_inverted,
     expect_no_known_mistake,
@@ -40,6 +41,8 @@ HOOK_HINTS = {
     "hook_z": "z = pattern @ v, rearranged to (batch, q_pos, head, d_head).",
 }
 CAUSAL_HINT = "`causal=True` adds `causal_mask(q_pos, k_pos)` to `mask`: AND the two."
+CACHE_HINT = "with a cache, `k, v = cache.extend(k, v)` after moving the heads before the "
+CACHE_HINT += "positions; the queries are the last positions, so the causal mask is (q_pos, k_pos)."
 FAST_PATH_HINTS = {  # by the value of fast_path
     True: "with fast_path=True one F.scaled_dot_product_attention(q, k, v, attn_mask=mask) call "
     "replaces the scores-pattern-z steps, so hook_attn_scores and hook_pattern are not run.",
@@ -76,11 +79,8 @@ def _expect_pattern(where: str, pattern, allowed, nan_hint: str, leak_hint: str)
 
 def _expect_attention(fn: Callable, where: str, q, k, v, mask, large: bool = False) -> None:
     """One call of the learner's attention (no mask argument when `mask` is None), step by step."""
-    args, hint = (
-        (q, k, v) if mask is None else (q, k, v, mask),
-        NO_MASK_HINT if mask is None else "",
-    )
-    result = call(where, fn, *args, hint=hint)
+    args = (q, k, v) if mask is None else (q, k, v, mask)
+    result = call(where, fn, *args, hint=NO_MASK_HINT if mask is None else "")
     expect(isinstance(result, tuple) and len(result) == 2, where, "expected (out, pattern).")
     (out, pattern), (expected_out, expected) = result, attention.scaled_dot_product_attention(*args)
     problem = f"expected the pattern's shape {tuple(expected.shape)}, got {shape_of(pattern)}."
@@ -156,12 +156,9 @@ def _expect_hook(stage: str, hook: str, actual, cache: dict, allowed, hint: str)
     expect(shape_of(actual) == expected.shape, stage, problem, hint)
     if matches(actual[allowed] if scores else actual, expected[allowed] if scores else expected):
         return
-    elsewhere = {
-        f"that tensor belongs at `{other}`: pass each intermediate through its own hook point; "
-        f"{hook} gets: {HOOK_HINTS[hook]}": tensor
-        for other, tensor in cache.items()
-        if other != hook and other in HOOK_HINTS
-    }
+    own = f"pass each intermediate through its own hook point; {hook} gets: {HOOK_HINTS[hook]}"
+    others = {other: tensor for other, tensor in cache.items() if other in HOOK_HINTS}
+    elsewhere = {f"that tensor belongs at `{k}`: {own}": t for k, t in others.items() if k != hook}
     expect_no_known_mistake(stage, actual, elsewhere)
     if scores:
         expect_no_known_mistake(stage, actual[allowed], {SCALE_HINT: expected[allowed] * 2})
@@ -210,21 +207,6 @@ def _expect_forward(name: str, module: torch.nn.Module, reference, fast: bool) -
     module.fast_path = False
 
 
-def _expect_cached(name: str, module, reference, fast: bool) -> None:
-    """Causal self-attention run in three calls through one `LayerCache` (chapter 6's KV
-    cache) gives the outputs of one call on the whole sequence."""
-    x, where = randn(2, 7, 16, seed=5), f"{name}(x, causal=True, cache=...), fast_path={fast}"
-    module.fast_path = fast
-    cache, outputs = attention.LayerCache(), []
-    for piece in (x[:, :3], x[:, 3:4], x[:, 4:]):
-        outputs.append(call(where, module, piece, causal=True, cache=cache))
-    hint = "with a cache, `k, v = cache.extend(k, v)` after moving the heads before the "
-    hint += "positions; the queries are the last positions, so the causal mask is (q_pos, k_pos)."
-    expected = reference(x, causal=True).detach()
-    expect_close(torch.cat(outputs, dim=1), expected, where, hint, atol=1e-8)
-    module.fast_path = False
-
-
 def check_multi_head_attention(cls: type) -> None:
     """`MultiHeadAttention`: parameters, forward hook by hook, `fast_path`, `bias=False`."""
     name = "MultiHeadAttention"
@@ -244,10 +226,12 @@ def check_multi_head_attention(cls: type) -> None:
     reference = perturb(attention.MultiHeadAttention(16, 4).double(), seed=1, scale=0.5)
     module = call(name, cls, 16, 4).double()
     call(f"{name}.load_state_dict", module.load_state_dict, reference.state_dict(), strict=False)
+    x = randn(2, 7, 16, seed=5)  # chapter 6's KV cache: causal self-attention in three calls
     for fast in (False, True):
         _expect_forward(name, module, reference, fast)
-    for fast in (False, True):
-        _expect_cached(name, module, reference, fast)
+        module.fast_path, where = fast, f"{name}(x, causal=True, cache=...), fast_path={fast}"
+        expect_cached(where, module, reference, x, [3, 4], CACHE_HINT, causal=True)
+    module.fast_path = False
     (_, args, kwargs), where = _forward_cases()[1], f"{name}(bias=False)"
     module = call(where, cls, 16, 4, bias=False).double()
     reference = attention.MultiHeadAttention(16, 4, bias=False).double()

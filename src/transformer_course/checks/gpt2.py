@@ -11,6 +11,7 @@ import einops
 import torch
 import torch.nn.functional as F
 
+from transformer_course import training
 from transformer_course.attention import LayerCache
 from transformer_course.checks.harness import (
     EVAL_HINT,
@@ -37,15 +38,6 @@ from transformer_course.gpt2 import GPT2, GPT2Config, generate, top_p_filter, tr
 from transformer_course.gpt2_weights import convert_hf_gpt2_state_dict
 from transformer_course.masking import causal_mask
 from transformer_course.runtime import evaluating
-from transformer_course.training import (
-    History,
-    TrainConfig,
-    cosine_lr,
-    estimate_loss,
-    lm_loss,
-    make_optimizer,
-    sample_batch,
-)
 
 CFG = GPT2Config(d_model=16, n_layers=2, n_heads=2, d_vocab=37, n_ctx=12)
 
@@ -106,18 +98,12 @@ def check_gpt2_forward(cls: type) -> None:
     name, reference, tokens = "GPT2", _reference_model(), _tokens(batch=2, pos=9)
     model = call(f"{name}.__init__", cls, CFG)
     load_reference_weights(name, model, reference, "embed, pos_embed, blocks, ln_final, unembed")
-    with torch.no_grad():
-        embed, pos = reference.embed(tokens), reference.pos_embed(tokens)
-
-        def run(residual: torch.Tensor, blocks=reference.blocks, final_ln=True) -> torch.Tensor:
-            for block in blocks:
-                residual = block(residual)
-            return reference.unembed(reference.ln_final(residual) if final_ln else residual)
-
-        mistakes = {
-            "the position embedding is missing: add pos_embed(tokens).": run(embed),
-            "apply ln_final before the unembedding.": run(embed + pos, final_ln=False),
-        }
+    with torch.no_grad():  # the reference without its position embedding, or without ln_final
+        no_pos = [("hook_pos_embed", lambda pos, hook: torch.zeros_like(pos))]
+        hint = "the position embedding is missing: add pos_embed(tokens)."
+        mistakes = {hint: reference.run_with_hooks(tokens, fwd_hooks=no_pos)}
+        last = reference.run_with_cache(tokens)[1][f"blocks.{CFG.n_layers - 1}.hook_resid_post"]
+        mistakes["apply ln_final before the unembedding."] = reference.unembed(last)
         actual = call(f"{name}.forward", model.eval(), tokens)
     hint = "embed + pos_embed, then each block in turn, then ln_final, then unembed."
     expect_close(actual, reference(tokens), name, hint, atol=1e-4, mistakes=mistakes)
@@ -154,10 +140,6 @@ def check_top_p_filter(fn: Callable[..., torch.Tensor]) -> None:
     passed(name)
 
 
-def _greedy(model: GPT2, tokens: torch.Tensor, steps: int) -> torch.Tensor:
-    return generate(model, tokens, steps, temperature=0)
-
-
 def _sampling(logits: torch.Tensor, steps: str, temperature=1.0, top_k=None, top_p=None):
     """The next token's distribution after `steps`: t(emperature), m(ultiply), k, p."""
     for step in steps:
@@ -175,11 +157,10 @@ SAMPLING_MISTAKES = {  # the hint: the order of the steps that gives the mistake
     "divide by the temperature first: top_k and top_p filter the scaled logits.": "kpt",
     "apply top_k before top_p: the nucleus is taken among the top_k tokens.": "tpk",
 }
-SAMPLING_CASES = [  # temperature, top_k, top_p; None marks where rows with other prompts come
+SAMPLING_CASES = [  # temperature, top_k, top_p
     (1.0, None, None),
     (0.5, None, None),
     (1.0, 3, None),
-    None,
     (1.0, None, 0.6),
     (0.5, None, 0.6),
     (2.0, 8, 0.5),
@@ -200,16 +181,13 @@ def _expect_sampling(name: str, fn: Callable, model: GPT2, one: torch.Tensor, **
         logits = model(one)[0, -1].double()
     freq = torch.bincount(drawn[:, -1], minlength=CFG.d_vocab).double() / n
     wanted = _sampling(logits, "tkp", **options)
-    if (freq - wanted).abs().max() < 0.03 and not freq[wanted == 0].any():  # about 4 std errors
+    worst = (freq - wanted).abs().max()
+    if worst < 0.03 and not freq[wanted == 0].any():  # about 4 standard errors
         return
-    mistakes = {
-        hint: _sampling(logits, steps, **options) for hint, steps in SAMPLING_MISTAKES.items()
-    }
+    mistakes = {h: _sampling(logits, steps, **options) for h, steps in SAMPLING_MISTAKES.items()}
     argmax = "with temperature > 0, sample from the distribution instead of taking the argmax."
     mistakes[argmax] = F.one_hot(logits.argmax(), CFG.d_vocab).double()
-    problem = (
-        f"the samples do not follow the distribution (off by {(freq - wanted).abs().max():.3f})"
-    )
+    problem = f"the samples do not follow the distribution (off by {worst:.3f})"
     expect_no_known_mistake(where, freq, mistakes, atol=0.03, problem=problem)
     expect(False, where, problem, "sample with torch.multinomial(softmax(filtered logits), 1).")
 
@@ -235,16 +213,15 @@ def check_generate(fn: Callable[..., torch.Tensor]) -> None:
     zero, where = "temperature=0 is greedy: argmax, don't divide.", f"{name}(temperature=0)"
     out = call(where, fn, model, prompt, 3, temperature=0, hint=zero)
     hint = "use logits[:, -1, :] (the last position) and argmax when temperature == 0."
-    expect_close(out, _greedy(model, prompt, 3), where, hint)
+    expect_close(out, generate(model, prompt, 3, temperature=0), where, hint)
     crop, where = "feed only the last n_ctx tokens: tokens[:, -n_ctx:].", f"{where}, past n_ctx"
     long = call(where, fn, model, prompt, 14, temperature=0, hint=crop)
-    expect_close(long, _greedy(model, prompt, 14), where, crop)
+    expect_close(long, generate(model, prompt, 14, temperature=0), where, crop)
     for case in SAMPLING_CASES:
-        if case is None:
-            _expect_top_k_per_row(name, fn, model)
-            continue
         options = {k: v for k, v in zip(("temperature", "top_k", "top_p"), case) if v is not None}
         _expect_sampling(name, fn, model, prompt[:1, :1], **options)
+        if case == (1.0, 3, None):  # then top_k with rows of different prompts
+            _expect_top_k_per_row(name, fn, model)
     runs = []
     for global_seed in (1, 2):
         torch.manual_seed(global_seed)
@@ -258,7 +235,7 @@ def check_generate(fn: Callable[..., torch.Tensor]) -> None:
 
 def check_train_step(fn: Callable[..., float]) -> None:
     """`fn(model, optimizer, tokens, targets, *, grad_clip)`: one step; returns the loss."""
-    name, tokens, targets = "train_step", _tokens(3, 6, seed=13), _tokens(3, 6, seed=14)
+    name, batch = "train_step", (_tokens(3, 6, seed=13), _tokens(3, 6, seed=14))
     eval_mode = "the model ran in eval mode: call model.train() first, so dropout is on."
     for grad_clip in (0.5, None):
         theirs, ours = _reference_model(15, dropout=0.2), _reference_model(15, dropout=0.2)
@@ -267,13 +244,11 @@ def check_train_step(fn: Callable[..., float]) -> None:
         for step in range(2):  # the models come in eval mode: the step must switch to train
             where = f"{name} (step {step + 1}, dropout 0.2, SGD, grad_clip={grad_clip})"
             with evaluating(ours):
-                mistakes = {eval_mode: lm_loss(ours(tokens), targets).item()}
+                mistakes = {eval_mode: training.lm_loss(ours(batch[0]), batch[1]).item()}
             torch.manual_seed(100 + step)
-            loss = call(
-                where, fn, theirs, their_sgd, tokens, targets, grad_clip=grad_clip, hint=none
-            )
+            loss = call(where, fn, theirs, their_sgd, *batch, grad_clip=grad_clip, hint=none)
             torch.manual_seed(100 + step)
-            expected = train_step(ours, our_sgd, tokens, targets, grad_clip=grad_clip)
+            expected = train_step(ours, our_sgd, *batch, grad_clip=grad_clip)
             expect(isinstance(loss, float), where, f"returned {describe(loss)}.", "loss.item()")
             hint = "loss = lm_loss(model(tokens), targets), computed before the update."
             expect_close(loss, expected, where, hint, mistakes=mistakes)
@@ -317,10 +292,8 @@ def _windows(name: str, fn: Callable, data, position, batch_size: int, n_ctx: in
     (px, py), hint = (position[t] for t in out), "each row is data[start : start + n_ctx]."
     expect(bool((px.diff(dim=1) == 1).all()), where, "a row of x is not a window of data.", hint)
     hint = "the targets are the next tokens: y = data[start + 1 : start + n_ctx + 1]."
-    mistakes = {
-        "the targets are the inputs themselves; " + hint: px,
-        "the targets come one token before the inputs, not after; " + hint: px - 1,
-    }
+    mistakes = {"the targets are the inputs themselves; " + hint: px}
+    mistakes["the targets come one token before the inputs, not after; " + hint] = px - 1
     if not torch.equal(py, px + 1):
         expect_no_known_mistake(where, py, mistakes, problem="y is not x shifted by one token.")
         expect(False, where, "y is not x shifted by one token.", hint)
@@ -356,21 +329,13 @@ def check_sample_batch(fn: Callable) -> None:
 
 KV_CHUNKS = (5, 1, 1, 1, 3)  # a prompt, three tokens one at a time, then three at once
 KV_KEYS = "the new queries attend to the wrong keys: each sees every cached key and the new keys "
-KV_MISTAKES = {  # the hint: (new positions after the cached ones?, the mask of q_len, k_len)
-    "the new tokens' positions do not count the cached ones: token i of the new ones sits at "
-    "position len(cache) + i: add W_pos[start : start + new], not W_pos[:new].": (
-        False,
-        causal_mask,
-    ),
-    KV_KEYS + "up to its own: mask with causal_mask(q_len, k_len), which aligns the last query "
-    "with the last key (SDPA's is_causal=True aligns the first with the first).": (
-        True,
-        lambda q_len, k_len: causal_mask(k_len)[:q_len],
-    ),
-    KV_KEYS + "up to its own, also when fed together: causal_mask(q_len, k_len) with a cache.": (
-        True,
-        lambda q_len, k_len: causal_mask(q_len) if q_len == k_len else None,
-    ),
+KV_MISTAKES = {  # what is wrong, as `_cached_logits`'s `wrong`: the hint
+    "positions": "the new tokens' positions do not count the cached ones: token i of the new ones "
+    "sits at position len(cache) + i: add W_pos[start : start + new], not W_pos[:new].",
+    "top left": KV_KEYS + "up to its own: mask with causal_mask(q_len, k_len), which aligns the "
+    "last query with the last key (SDPA's is_causal=True aligns the first with the first).",
+    "together": KV_KEYS + "up to its own, also when fed together: causal_mask(q_len, k_len) "
+    "with a cache.",
 }
 
 
@@ -398,17 +363,19 @@ def _replay(name: str, fn: Callable, model: GPT2, tokens: torch.Tensor, chunks) 
     return torch.cat(logits, dim=1)
 
 
-def _cached_logits(model: GPT2, tokens: torch.Tensor, offset: bool, mask: Callable):
-    """The reference's logits in KV_CHUNKS, positions after the cache (`offset`) or from 0."""
+def _cached_logits(model: GPT2, tokens: torch.Tensor, wrong: str) -> torch.Tensor:
+    """The reference's logits fed in KV_CHUNKS, with what is `wrong` (a key of KV_MISTAKES)."""
     caches, start, logits = [LayerCache() for _ in model.blocks], 0, []
     for new in KV_CHUNKS:
-        first = start * offset
-        x = model.embed(tokens[:, start : start + new]) + model.pos_embed.W_pos[first : first + new]
+        end, first = start + new, 0 if wrong == "positions" else start
+        right = causal_mask(new, end)
+        masks = {"top left": causal_mask(end)[:new], "together": None if start else right}
+        x = model.embed(tokens[:, start:end]) + model.pos_embed.W_pos[first : first + new]
         for block, cache in zip(model.blocks, caches):
-            x = x + block.attn(block.ln1(x), mask=mask(new, start + new), cache=cache)
+            x = x + block.attn(block.ln1(x), mask=masks.get(wrong, right), cache=cache)
             x = x + block.mlp(block.ln2(x))
         logits.append(model.unembed(model.ln_final(x)))
-        start += new
+        start = end
     return torch.cat(logits, dim=1)
 
 
@@ -419,7 +386,7 @@ def check_kv_cache(fn: Callable) -> None:
     logits = _replay(name, fn, model, tokens, KV_CHUNKS)
     with torch.no_grad():
         expected = model(tokens)
-        mistakes = {h: _cached_logits(model, tokens, *how) for h, how in KV_MISTAKES.items()}
+        mistakes = {h: _cached_logits(model, tokens, w) for w, h in KV_MISTAKES.items()}
     error = (logits.double() - expected).abs().nan_to_num(math.inf).amax(dim=(0, 2))
     if (error > 1e-6).any():
         position = int((error > 1e-6).nonzero()[0])
@@ -433,8 +400,9 @@ def check_kv_cache(fn: Callable) -> None:
         hint += "cached ones, keys and values appended to each block's cache before attending, "
         hint += "causal_mask(q_len, k_len), then the MLP, ln_final and unembed."
         expect(False, where, problem, hint)
-    greedy, steps = _greedy(model, tokens[:, :5], CFG.n_ctx - 5), [5] + [1] * (CFG.n_ctx - 6)
-    chosen = _replay(name, fn, model, greedy[:, :-1], steps)[:, 4:].argmax(-1)  # one at a time
+    greedy = generate(model, tokens[:, :5], CFG.n_ctx - 5, temperature=0)  # up to n_ctx
+    steps = [5] + [1] * (CFG.n_ctx - 6)  # the prompt, then one token at a time
+    chosen = _replay(name, fn, model, greedy[:, :-1], steps)[:, 4:].argmax(-1)
     hint, where = "feed each new token alone, with the last call's cache.", f"{name}, greedy"
     expect_close(chosen, greedy[:, 5:], f"{where} decoding up to n_ctx", hint)
     passed(name)
@@ -511,15 +479,14 @@ def check_estimate_loss(fn: Callable[..., float]) -> None:
         where = f"{name}({', '.join(f'{k}={v}' for k, v in sizes.items())}, generator=...)"
         torch.manual_seed(32)
         got = expect_evaluating(where, fn, model, data, **sizes, generator=seeded(33))
-        estimate = functools.partial(estimate_loss, model, data, **sizes)
+        estimate = functools.partial(training.estimate_loss, model, data, **sizes)
         expected = estimate(generator=seeded(33))
         torch.manual_seed(32)
+        first = estimate(n_batches=1, generator=seeded(33))
         mistakes = {
             "draw the batches with sample_batch(..., generator=generator).": estimate(),
             "divide the summed losses by n_batches: take their mean.": n_batches * expected,
-            "average all n_batches batches, not just the first.": estimate(
-                n_batches=1, generator=seeded(33)
-            ),
+            "average all n_batches batches, not just the first.": first,
         }
         expect(isinstance(got, float), where, f"returned {describe(got)}.", "return loss.item().")
         hint = "the mean of lm_loss(model(x), y) over n_batches batches of sample_batch."
@@ -528,7 +495,7 @@ def check_estimate_loss(fn: Callable[..., float]) -> None:
     torch.manual_seed(34)
     got = call(where, fn, model.eval(), data, batch_size=4, n_ctx=8, n_batches=2)
     torch.manual_seed(34)
-    expected = estimate_loss(model, data, batch_size=4, n_ctx=8, n_batches=2)
+    expected = training.estimate_loss(model, data, batch_size=4, n_ctx=8, n_batches=2)
     expect_close(got, expected, where, "generator=None: sample_batch's global generator.")
     hint = f"restore the model's own mode: {EVAL_HINT}"
     expect(not model.training, where, "the model came in eval mode and left in train mode.", hint)
@@ -563,7 +530,7 @@ def check_cosine_lr(fn: Callable[..., float]) -> None:
     """`cosine_lr(step, *, lr, warmup_steps, max_steps, min_lr=0.0)`: steps 0 to max_steps + 5."""
     hint = "warm up linearly to lr, then half a cosine from lr down to min_lr at max_steps."
     mistakes = {h: functools.partial(_cosine, wrong=w) for w, h in COSINE_MISTAKES.items()}
-    expect_schedule("cosine_lr", fn, cosine_lr, COSINE_CASES, mistakes, hint)
+    expect_schedule("cosine_lr", fn, training.cosine_lr, COSINE_CASES, mistakes, hint)
     passed("cosine_lr")
 
 
@@ -574,10 +541,11 @@ HISTORY = "History holds each step's number (from 0), loss and rate, each evalua
 HISTORY += "{'step': steps done, 'val_loss': ...}, and in best the lowest one."
 
 
-def _run_loop(name: str, fn: Callable, max_steps, eval_every, grad_clip, best, training):
+def _run_loop(name: str, fn: Callable, max_steps, eval_every, grad_clip, best, train_mode):
     """A tiny GPT-2 trained by the loop `fn`: history, model, and what hooks saw."""
-    model = _reference_model(seed=40, dropout=0.2).train(training)
-    optimizer = make_optimizer(model, TrainConfig(max_steps=1, lr=0.5, weight_decay=0.1))
+    model = _reference_model(seed=40, dropout=0.2).train(train_mode)
+    config = training.TrainConfig(max_steps=1, lr=0.5, weight_decay=0.1)
+    optimizer = training.make_optimizer(model, config)
     seen: dict[str, list] = {key: [] for key in ("lrs", "norms", "stale", "modes", "evals")}
     data, lr_at = torch.randint(CFG.d_vocab, (100,), generator=seeded(41)), _lr_at(max_steps)
 
@@ -593,21 +561,22 @@ def _run_loop(name: str, fn: Callable, max_steps, eval_every, grad_clip, best, t
     def evaluate(model: torch.nn.Module) -> float:
         seen["evals"].append((len(seen["lrs"]), model.training, torch.is_grad_enabled()))
         with evaluating(model):
-            loss = lm_loss(model(_tokens(4, 8, seed=42)), _tokens(4, 8, seed=43)).item()
+            loss = training.lm_loss(model(_tokens(4, 8, seed=42)), _tokens(4, 8, seed=43)).item()
         return loss - (len(seen["lrs"]) == best)  # the best is not the last
 
     optimizer.register_step_pre_hook(before_step)
     model.register_forward_pre_hook(training_pass)
     b_U = model.unembed.b_U  # runs before the new gradient is added to b_U.grad
     b_U.register_hook(lambda grad: seen["stale"].append(b_U.grad is not None and b_U.grad.any()))
-    get_batch = lambda step: sample_batch(data, 4, 8, generator=seeded(100 + step))
+    get_batch = lambda step: training.sample_batch(data, 4, 8, generator=seeded(100 + step))
     torch.manual_seed(44)
     options = dict(max_steps=max_steps, lr_at=lr_at, eval_every=eval_every, grad_clip=grad_clip)
     return call(name, fn, model, optimizer, get_batch, evaluate, **options), model, seen
 
 
 def _lr_at(max_steps: int) -> Callable[[int], float]:
-    return functools.partial(cosine_lr, lr=3e-3, warmup_steps=2, max_steps=max_steps, min_lr=3e-4)
+    schedule = dict(lr=3e-3, warmup_steps=2, max_steps=max_steps, min_lr=3e-4)
+    return functools.partial(training.cosine_lr, **schedule)
 
 
 def _same_state(state, wanted: dict) -> bool:
@@ -621,12 +590,9 @@ def _expect_steps(where: str, seen: dict, ref: dict, max_steps, eval_every, grad
     problem = "the optimizer's parameter groups stepped with different rates."
     expect(all(len(set(lrs)) == 1 for lrs in seen["lrs"]), where, problem, hint)
     lrs, wanted = [lrs[0] for lrs in seen["lrs"]], [lrs[0] for lrs in ref["lrs"]]
-    mistakes = {
-        "steps count from 0: step `step` uses lr_at(step), not lr_at(step + 1).": [
-            _lr_at(max_steps)(step + 1) for step in range(max_steps)
-        ],
-        "set the rate before the step it is for, not after it.": [0.5, *wanted[:-1]],
-    }
+    ahead = [_lr_at(max_steps)(step + 1) for step in range(max_steps)]
+    mistakes = {"steps count from 0: step `step` uses lr_at(step), not lr_at(step + 1).": ahead}
+    mistakes["set the rate before the step it is for, not after it."] = [0.5, *wanted[:-1]]
     hint = "before each step set its rate, lr_at(step)."
     expect_series(where, "the rate the optimizer used at step", lrs, wanted, hint, mistakes)
     problem = "gradients accumulated: each backward added to the step before's."
@@ -646,23 +612,22 @@ def _expect_steps(where: str, seen: dict, ref: dict, max_steps, eval_every, grad
             expect(not any(e[index] for e in seen["evals"]), where, f"evaluated {state}.", hint)
 
 
-def _numbers(history: History) -> dict[str, list]:
+def _numbers(history: training.History) -> dict[str, list]:
     evals = [v for e in history.evals for v in (e["step"], e["val_loss"])]
     best = [history.best["step"], history.best["val_loss"]]
-    return dict(
-        step=history.step, train_loss=history.train_loss, lr=history.lr, evals=evals, best=best
-    )
+    numbers = dict(step=history.step, train_loss=history.train_loss, lr=history.lr)
+    return {**numbers, "evals": evals, "best": best}
 
 
-def check_train_loop(fn: Callable[..., History]) -> None:
+def check_train_loop(fn: Callable[..., training.History]) -> None:
     """`train_loop(model, optimizer, get_batch, evaluate, *, ...)` against the reference."""
     for case in ((7, 3, 0.05, 6, True), (6, 2, None, 4, False)):  # ..., best at, train mode
         where = "train_loop(max_steps={}, eval_every={}, grad_clip={})".format(*case)
         where += f", dropout 0.2, the model in {'train' if case[-1] else 'eval'} mode"
         history, model, seen = _run_loop(where, fn, *case)
         wanted, reference, ref = _run_loop("reference", train_loop, *case)
-        problem = f"returned {describe(history)}."
-        expect(isinstance(history, History), where, problem, "return the History you filled.")
+        problem, hint = f"returned {describe(history)}.", "return the History you filled."
+        expect(isinstance(history, training.History), where, problem, hint)
         _expect_steps(where, seen, ref, *case[:3])
         hint = "each step: set its rate, then train_step(model, optimizer, *get_batch(step), ...)."
         same = _same_state(model.state_dict(), reference.state_dict())
@@ -670,10 +635,8 @@ def check_train_loop(fn: Callable[..., History]) -> None:
         got, last = call(f"{where}, its History", _numbers, history, hint=HISTORY), wanted.evals
         last = {"History.best keeps the lowest val_loss so far, not the last.": last[-1].values()}
         for field, expected in _numbers(wanted).items():
-            mistakes = last if field == "best" else {}
-            expect_series(
-                where, f"History.{field}, entry", got[field], expected, HISTORY, mistakes, tol=1e-6
-            )
+            what, mistakes = f"History.{field}, entry", last if field == "best" else {}
+            expect_series(where, what, got[field], expected, HISTORY, mistakes, tol=1e-6)
         if not _same_state(history.best_state, wanted.best_state):
             live = _same_state(history.best_state, model.state_dict())
             hint = "keep a copy of the best evaluation's weights in best_state."

@@ -13,6 +13,8 @@ import torch
 from torch import Tensor
 from transformer_lens.hook_points import HookPoint
 
+from transformer_course.attention import LayerCache
+
 CHECKERS = Path(__file__).resolve().parent
 CONVENTION_HINT = "True means *may attend* (PyTorch's convention): keep the scores where the "
 CONVENTION_HINT += "mask is True and fill the ones where it is False (`~mask`)."
@@ -29,11 +31,8 @@ class CheckFailure(AssertionError):
         lines = f"CheckFailure: {self}".splitlines()
         cause = self.__cause__
         if cause is not None:
-            frames = [
-                frame
-                for frame in traceback.extract_tb(cause.__traceback__)
-                if not Path(frame.filename).resolve().is_relative_to(CHECKERS)
-            ]
+            theirs = lambda frame: not Path(frame.filename).resolve().is_relative_to(CHECKERS)
+            frames = list(filter(theirs, traceback.extract_tb(cause.__traceback__)))
             lines += ["", "Where your code raised it:"]
             lines += "".join(traceback.format_list(frames)).rstrip("\n").splitlines()
             lines += traceback.format_exception_only(type(cause), cause)[-1:]
@@ -232,6 +231,15 @@ def expect_same_in_train_mode(name: str, module, reference, *args: Any, hint: st
     module.eval(), reference.eval()
     where = f"{name} (train mode, dropout on)"
     expect_close(outputs[1], outputs[0].detach(), where, hint, atol=atol)
+
+
+def expect_cached(name: str, module, reference, x: Tensor, cuts: list[int], hint: str, **kwargs):
+    """`module` fed `x` in pieces (cut at the positions `cuts`) through one `LayerCache` gives
+    the output of `reference` on the whole of `x` (keywords `kwargs` to both)."""
+    cache, pieces = LayerCache(), x.tensor_split(cuts, dim=1)
+    with torch.no_grad():
+        outputs = [call(name, module, piece, cache=cache, **kwargs) for piece in pieces]
+        expect_close(torch.cat(outputs, dim=1), reference(x, **kwargs), name, hint, atol=1e-8)
 
 
 def expect_evaluating(name: str, fn: Callable, model: torch.nn.Module, *args, **kwargs) -> Any:

@@ -102,12 +102,9 @@ def _check_norm(name: str, cls: type, centre: bool) -> None:
     ours = reference(D_MODEL, eps=BIG_EPS).double()
     ours.load_state_dict(module.state_dict())
     what = "standard deviation" if centre else "root mean square"
-    hooks = {
-        "hook_scale": f"pass the {what} each vector is divided by, shape (*batch, 1), through "
-        "self.hook_scale.",
-        "hook_normalized": f"pass the normalised vector, before {' and '.join(params)}, through "
-        "self.hook_normalized.",
-    }
+    hooks = {"hook_scale": f"the {what} each vector is divided by, shape (*batch, 1),"}
+    hooks["hook_normalized"] = f"the normalised vector, before {' and '.join(params)},"
+    hooks = {hook: f"pass {what} through self.{hook}." for hook, what in hooks.items()}
     expect_hooks(name, module, ours, hooks, randn(2, 3, D_MODEL, seed=5) * 2 + 1)
     if centre:
         constant, b = torch.full((2, D_MODEL), 7.0, dtype=torch.float64), module.b.detach()
@@ -122,10 +119,7 @@ def _check_norm(name: str, cls: type, centre: bool) -> None:
         expect_close(actual, expected, where, hint, atol=1e-2, rtol=1e-2)
     module = perturb(call(f"{name}.__init__", cls, D_MODEL, eps=1e-5), seed=7)
     (ours := reference(D_MODEL, eps=1e-5)).load_state_dict(module.state_dict())
-    x, where = (
-        (randn(3, 5, D_MODEL, seed=7) * 300).half(),
-        f"{name} (float16 input in the hundreds)",
-    )
+    x, where = (randn(3, 5, D_MODEL, seed=7) * 300).half(), f"{name} (float16 input near 300)"
     actual, hint = call(f"{name}.forward", module, x), "compute in float32, return `.to(x.dtype)`."
     dtype = getattr(actual, "dtype", None)
     expect(dtype == torch.float16, where, f"expected a float16 output (as x), got {dtype}.", hint)

@@ -167,10 +167,7 @@ def check_masked_softmax(fn: Callable[..., torch.Tensor]) -> None:
         hint += "keys to 0 after the softmax (`masked_fill(~mask, 0)`)."
         expect(not row.any(), where, f"expected an all-zero pattern row, got {row.tolist()}.", hint)
     scores = torch.randn(2, 5, 6, generator=generator, dtype=torch.float64)
-    where, hint = (
-        f"{name}(mask=None)",
-        "`mask` defaults to None: a plain softmax over the last dim.",
-    )
+    where, hint = f"{name}(mask=None)", "`mask` defaults to None: plain softmax over the last dim."
     unmasked = call(where, fn, scores, hint=hint)
     expect_close(unmasked, scores.softmax(-1), where, hint, atol=1e-10, rtol=1e-8)
     passed(name)

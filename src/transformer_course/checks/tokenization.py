@@ -1,6 +1,5 @@
-"""Checkers for chapter 1's workbook (01_tokenization): the character tokenizer, then BPE's pair
-counting, merging, training, encoding and decoding, and the whole encoder with its pre-split
-and special tokens."""
+"""Checkers for chapter 1's workbook (01_tokenization): the character tokenizer, BPE's pair
+counting, merging, training, encoding and decoding, and the whole encoder (pre-split, specials)."""
 
 from __future__ import annotations
 
@@ -10,6 +9,7 @@ from collections.abc import Callable
 
 import regex
 
+from transformer_course import tokenization
 from transformer_course.checks.harness import (
     call,
     describe,
@@ -18,17 +18,7 @@ from transformer_course.checks.harness import (
     expect_raises,
     passed,
 )
-from transformer_course.tokenization import (
-    GPT2_SPLIT_PATTERN,
-    BPETokenizer,
-    CharTokenizer,
-    decode_ids,
-    encode_chunk,
-    get_pair_counts,
-    merge_pair,
-    split_chunks,
-    train_merges,
-)
+from transformer_course.tokenization import GPT2_SPLIT_PATTERN, BPETokenizer, merge_pair
 
 OVERLAP_HINT = "are you merging overlapping pairs? In [a, a, a] the pair (a, a) can merge only "
 OVERLAP_HINT += "once, giving [X, a]: after a merge, move past both ids of the pair."
@@ -44,16 +34,12 @@ CHAR_TEXTS = ("hello", "To be, or not to be", "ba", "日本語 café\n\t!")
 SORT_HINT = "sort the characters: a set's order changes from run to run, the ids must not."
 
 
-def _chunk_counts(text: str) -> dict[bytes, int]:
-    return dict(Counter(chunk.encode() for chunk in regex.findall(GPT2_SPLIT_PATTERN, text)))
-
-
 def check_char_tokenizer(cls: type) -> None:
     """`cls(text)`: ids 0.. for the sorted distinct characters, `encode`, `decode`, `vocab_size`."""
     name = "CharTokenizer"
     for text in CHAR_TEXTS:
-        reference, theirs, query = CharTokenizer(text), call(name, cls, text), text[::-1]
-        where = f"{name}({text!r})"
+        reference, theirs = tokenization.CharTokenizer(text), call(name, cls, text)
+        where, query = f"{name}({text!r})", text[::-1]
         size = call(f"{where}.vocab_size", getattr, theirs, "vocab_size")
         hint = "self.vocab maps each id to its character, once per distinct character."
         expect_close(size, reference.vocab_size, f"{where}.vocab_size", hint)
@@ -71,8 +57,9 @@ def check_char_tokenizer(cls: type) -> None:
     passed(name)
 
 
-def _expect_cases(name: str, fn: Callable, reference: Callable, cases, hint: str) -> None:
-    """`fn(*args)` against `reference(*args)`, args unchanged, for each `(*args, hint)`."""
+def _expect_cases(name: str, fn: Callable, cases, hint: str) -> None:
+    """`fn(*args)` against the reference function `name`, args unchanged, per `(*args, hint)`."""
+    reference = getattr(tokenization, name)
     for *args, case_hint in cases:
         where, given = f"{name}({', '.join(f'{a!r:.50}' for a in args)})", copy.deepcopy(args)
         actual = call(where, fn, *given, hint=case_hint or hint)
@@ -84,7 +71,7 @@ def check_get_pair_counts(fn: Callable) -> None:
     """`get_pair_counts(ids, counts=None, weight=1)` counts neighbouring pairs."""
     name, cases = "get_pair_counts", [(ids, "") for ids in ([1, 2, 3, 1, 2], [], [7], [5, 5, 5])]
     hint = "pair each id with the next one: zip(ids, ids[1:]). Overlapping pairs all count here."
-    _expect_cases(name, fn, get_pair_counts, [*cases, (list(b"hello, hello"), "")], hint)
+    _expect_cases(name, fn, [*cases, (list(b"hello, hello"), "")], hint)
     counts, where = {(1, 2): 1}, f"{name}([1, 2, 1, 2], counts={{(1, 2): 1}}, weight=3)"
     actual = call(name, fn, [1, 2, 1, 2], counts, 3)
     hint = "add `weight` per occurrence to the `counts` you were given (a chunk seen 3 times "
@@ -109,7 +96,7 @@ MERGE_CASES = [  # ids, pair, new id, hint
 def check_merge_pair(fn: Callable) -> None:
     """`merge_pair(ids, pair, new_id)` replaces non-overlapping occurrences, left to right."""
     hint = "walk left to right: where ids[i], ids[i + 1] is the pair, emit new_id."
-    _expect_cases("merge_pair", fn, merge_pair, MERGE_CASES, hint)
+    _expect_cases("merge_pair", fn, MERGE_CASES, hint)
     passed("merge_pair")
 
 
@@ -117,14 +104,14 @@ def _most_frequent(chunks: dict[tuple, int], pair: tuple, weighted: bool = True)
     """Whether `pair` has the highest count over `chunks` (each weighted by its count, or not)."""
     counts: dict = {}
     for chunk, weight in chunks.items():
-        get_pair_counts(chunk, counts, weight if weighted else 1)
+        tokenization.get_pair_counts(chunk, counts, weight if weighted else 1)
     return counts.get(pair, 0) == max(counts.values())
 
 
 def check_train_merges(fn: Callable) -> None:
     """`train_merges(chunk_counts, num_merges)`: each merge a most frequent pair then."""
     name = "train_merges"
-    shakespeare = _chunk_counts(SAMPLE * 3 + "the the the ")
+    shakespeare = tokenization.count_chunks(SAMPLE * 3 + "the the the ", GPT2_SPLIT_PATTERN)
     for label, chunk_counts, num_merges in (
         ("the chunk b'aaabdaaabac'", {b"aaabdaaabac": 1}, 3),
         ("a small Shakespeare sample (with chunk counts)", shakespeare, 40),
@@ -164,25 +151,18 @@ ENCODE_CASES = [  # ids, merges, hint
 
 def check_encode_chunk(fn: Callable) -> None:
     """`encode_chunk(ids, merges, ranks)` applies merges lowest rank first."""
-    sample_merges = train_merges(_chunk_counts(SAMPLE), 60)
+    sample_merges = BPETokenizer.train(SAMPLE, 256 + 60, pattern=GPT2_SPLIT_PATTERN).merges
     chunks = regex.findall(GPT2_SPLIT_PATTERN, SAMPLE)[:40] + [SAMPLE.replace(" ", "")]
     cases = ENCODE_CASES + [(list(chunk.encode()), sample_merges, "") for chunk in chunks]
-    cases = [
-        (ids, merges, {pair: r for r, pair in enumerate(merges)}, h) for ids, merges, h in cases
-    ]
+    cases = [(ids, merges, {p: r for r, p in enumerate(merges)}, h) for ids, merges, h in cases]
     hint = "repeatedly merge the pair of lowest rank until no pair has a rank."
-    _expect_cases("encode_chunk", fn, encode_chunk, cases, hint)
+    _expect_cases("encode_chunk", fn, cases, hint)
     passed("encode_chunk")
 
 
 SPLIT_HINT = "a character's bytes can be split across tokens ('é' is C3 A9): join all the tokens' "
 SPLIT_HINT += "bytes with b''.join(...) and decode once at the end, not token by token."
-VOCAB = {
-    **{b: bytes([b]) for b in range(256)},
-    256: b"caf\xc3",
-    257: b"\xa9!",
-    258: "日本".encode(),
-}
+VOCAB = {b: bytes([b]) for b in range(256)} | {256: b"caf\xc3", 257: b"\xa9!", 258: "日本".encode()}
 DECODE_CASES = [  # ids, vocab, hint
     ([104, 105], VOCAB, ""),
     ([], VOCAB, ""),
@@ -196,7 +176,7 @@ DECODE_CASES = [  # ids, vocab, hint
 def check_decode_ids(fn: Callable) -> None:
     """`decode_ids(ids, vocab)` joins bytes before decoding, so split characters survive."""
     hint = "look up each id's bytes in vocab, join them, decode as UTF-8."
-    _expect_cases("decode_ids", fn, decode_ids, DECODE_CASES, hint)
+    _expect_cases("decode_ids", fn, DECODE_CASES, hint)
     passed("decode_ids")
 
 
@@ -214,10 +194,6 @@ EOT = "<|endoftext|>"
 BPE_TRAINING = f"Hello world, hello worlds. The end{EOT}The start. café naïve 日本語 a  b   c\n"
 
 
-def _pre_split(tokenizer: BPETokenizer) -> regex.Pattern | None:
-    return None if tokenizer.pattern is None else regex.compile(tokenizer.pattern)
-
-
 def _rank_order_samples(tokenizer: BPETokenizer, limit: int = 3) -> list[str]:
     """Chunks a, b, c with (b, c) learned before (a, b): rank order differs from text order."""
     byte_merges = [(pair, rank) for pair, rank in tokenizer.ranks.items() if max(pair) < 256]
@@ -228,7 +204,7 @@ def _rank_order_samples(tokenizer: BPETokenizer, limit: int = 3) -> list[str]:
                 text = bytes([a, b, c]).decode("utf-8")
             except UnicodeDecodeError:
                 continue
-            one_chunk = split_chunks(text, _pre_split(tokenizer)) == [text]
+            one_chunk = tokenization.split_chunks(text, tokenizer._split) == [text]
             if middle == b and early < late and one_chunk:
                 samples.append(text)
     return samples[:limit]
@@ -236,14 +212,12 @@ def _rank_order_samples(tokenizer: BPETokenizer, limit: int = 3) -> list[str]:
 
 def _in_text_order(tokenizer: BPETokenizer, text: str) -> list[int]:
     """The ids of `text` with each chunk merged in text order instead of rank order."""
-    specials = sorted(tokenizer.special_tokens, key=len, reverse=True)
-    pieces = regex.split(f"({'|'.join(map(regex.escape, specials))})", text) if specials else [text]
     ids: list[int] = []
-    for k, piece in enumerate(pieces):
+    for k, piece in enumerate(tokenizer._special_split.split(text)):  # specials at odd positions
         if k % 2:
             ids.append(tokenizer.special_tokens[piece])
             continue
-        for chunk in split_chunks(piece, _pre_split(tokenizer)):
+        for chunk in tokenization.split_chunks(piece, tokenizer._split):
             chunk_ids = [tokenizer.byte_ids[b] for b in chunk.encode()]
             while pairs := [p for p in zip(chunk_ids, chunk_ids[1:]) if p in tokenizer.merges]:
                 chunk_ids = merge_pair(chunk_ids, pairs[0], tokenizer.merges[pairs[0]])
@@ -268,11 +242,10 @@ def check_bpe_encode(cls: type) -> None:
     """`cls(vocab, merges, pattern=, special_tokens=).encode(text)`: the reference's ids."""
     name = "BPETokenizer.encode"
     for pattern in (GPT2_SPLIT_PATTERN, None):
-        reference = BPETokenizer.train(
-            BPE_TRAINING * 20, 300, pattern=pattern, special_tokens=[EOT]
-        )
-        tables = reference.vocab, reference.merges
-        theirs = call(name, cls, *tables, pattern=pattern, special_tokens=reference.special_tokens)
+        options = dict(pattern=pattern, special_tokens=[EOT])
+        reference = BPETokenizer.train(BPE_TRAINING * 20, 300, **options)
+        options["special_tokens"] = reference.special_tokens
+        theirs = call(name, cls, reference.vocab, reference.merges, **options)
         for sample in BPE_TEXTS + tuple(_rank_order_samples(reference)):
             where = f"{name}({sample!r}), pattern={'GPT-2' if pattern else 'None'}"
             actual, expected = call(name, theirs.encode, sample), reference.encode(sample)

@@ -3,6 +3,7 @@ the blocks, the assembled model, label smoothing, the schedule, greedy decoding,
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 
@@ -10,13 +11,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from transformer_course.attention import LayerCache
 from transformer_course.blocks import ACTIVATIONS, TransformerBlock, residual_sublayer
 from transformer_course.blocks import MLP as ReferenceMLP
 from transformer_course.checks.harness import (
     build_module,
     call,
     expect,
+    expect_cached,
     expect_close,
     expect_evaluating,
     expect_hooks,
@@ -40,19 +41,9 @@ from transformer_course.layernorm import LayerNorm
 from transformer_course.masking import padding_mask
 from transformer_course.training import inverse_sqrt_lr
 
-
-def _pe_mistakes(seq_len: int, d_model: int) -> dict[str, Tensor]:
-    """The tables the classic positional-encoding bugs give, keyed by their hint."""
-    position = torch.arange(seq_len, dtype=torch.float64)[:, None]
-    dims = torch.arange(d_model, dtype=torch.float64)
-    per_dim = position / 10000 ** (dims / d_model)
-    pairs = lambda even, odd: torch.stack([even, odd], dim=-1).flatten(-2)
-    a = per_dim[:, 0::2]
-    return {
-        "sin and cos are swapped: dims 2i get sin, dims 2i+1 cos.": pairs(a.cos(), a.sin()),
-        "sin and cos should be interleaved (sin in dims 0, 2, ...; cos in dims 1, 3, ...), not "
-        "one half each.": torch.cat([a.sin(), a.cos()], dim=-1),
-    }
+SWAPPED_HINT = "sin and cos are swapped: dims 2i get sin, dims 2i+1 cos."
+HALVES_HINT = "sin and cos should be interleaved (sin in dims 0, 2, ...; cos in dims 1, 3, ...), "
+HALVES_HINT += "not one half each."
 
 
 def check_positional_encoding(fn: Callable[[int, int], Tensor]) -> None:
@@ -63,7 +54,10 @@ def check_positional_encoding(fn: Callable[[int, int], Tensor]) -> None:
         actual, where = call(name, fn, seq_len, d_model), f"{name}({seq_len}, {d_model})"
         actual = actual.double() if isinstance(actual, Tensor) else actual
         expected = sinusoidal_positional_encoding(seq_len, d_model, dtype=torch.float64)
-        expect_close(actual, expected, where, hint, mistakes=_pe_mistakes(seq_len, d_model))
+        sin, cos = expected[:, 0::2], expected[:, 1::2]
+        swapped = torch.stack([cos, sin], dim=-1).flatten(-2)
+        mistakes = {SWAPPED_HINT: swapped, HALVES_HINT: torch.cat([sin, cos], dim=-1)}
+        expect_close(actual, expected, where, hint, mistakes=mistakes)
     passed(name)
 
 
@@ -97,10 +91,9 @@ def _sublayer_mistakes(r: Tensor, f: Callable, ln: LayerNorm, norm: str) -> dict
             "only the sublayer's input is normalised: add its output to resid itself, not to "
             "ln(resid).": normed + of_normed,
         }
+    pre_ln = "this is pre-LN; with norm='post' return ln(resid + dropout(sublayer(resid)))."
     return {
-        "this is pre-LN; with norm='post' return ln(resid + dropout(sublayer(resid))).": (
-            r + of_normed
-        ),
+        pre_ln: r + of_normed,
         "post-LN normalises the sum, ln(resid + out), not ln(resid) + out: the norm comes after "
         "the residual add.": normed + of_r,
     }
@@ -119,9 +112,8 @@ def check_residual_sublayer(fn: Callable[..., Tensor]) -> None:
             return call(name, fn, resid, f, ln, norm=norm, dropout=dropout, hook_out=hook_out), seen
 
     for norm, dropout in (("pre", None), ("post", None), ("pre", 0.5), ("post", 0.5)):
-        where = f"{name}(norm={norm!r}" + (
-            f", dropout={dropout} in train mode)" if dropout else ")"
-        )
+        train = f", dropout={dropout} in train mode" if dropout else ""
+        where = f"{name}(norm={norm!r}{train})"
         drop = torch.nn.Dropout(dropout).train() if dropout else (lambda t: t)
         (actual, seen), (expected, wanted) = run(fn, norm, drop), run(residual_sublayer, norm, drop)
         with torch.no_grad():
@@ -165,12 +157,11 @@ BLOCK_MISTAKES = [  # (what is wrong, as keywords of `_block_output`; the hint n
 
 def _block_output(block, x, mask=None, context=None, context_mask=None, **wrong) -> Tensor:
     """The reference `block`'s forward pass from its parts, with what is `wrong`."""
-    norm, causal = wrong.get("norm", block.norm), wrong.get("causal", block.causal)
+    causal = wrong.get("causal", block.causal)
 
     def sublayer(r: Tensor, f: Callable[[Tensor], Tensor], ln: Callable, first: bool) -> Tensor:
         stream = ln(r) if first and wrong.get("normed_stream") else r
-        stream = stream if wrong.get("residual", True) else torch.zeros_like(r)
-        return stream + f(ln(r)) if norm == "pre" else ln(stream + f(r))
+        return stream + f(ln(r)) if block.norm == "pre" else ln(stream + f(r))
 
     steps = [(lambda h: block.attn(h, mask=mask, causal=causal), block.ln1)]
     if block.cross_attention and not wrong.get("no_cross"):
@@ -183,7 +174,7 @@ def _block_output(block, x, mask=None, context=None, context_mask=None, **wrong)
 
 
 def _expect_block(name: str, cls: type, settings: dict, cases: list, hint: str, crash: str):
-    """The learner's block with `settings`: outputs, hook points, dropout."""
+    """The learner's block with `settings`: outputs, hook points, dropout, (GPT-2's) the cache."""
     torch.manual_seed(1)
     reference = perturb(TransformerBlock(16, 4, 4, 32, **settings).double(), seed=2).eval()
     block = call(f"{name}.__init__", cls, 16, 4, 4, 32, **settings).double().eval()
@@ -198,8 +189,8 @@ def _expect_block(name: str, cls: type, settings: dict, cases: list, hint: str, 
             mistakes = {h: _block_output(reference, **{**inputs, **w}) for w, h in BLOCK_MISTAKES}
             expected = reference(*args, **kwargs)
         expect_close(actual, expected, where, hint, atol=1e-6, mistakes=mistakes)
-    hooks = {hook: f"{hook} gets {what}." for hook, what in BLOCK_HOOKS.items()}
-    hooks = {k: v for k, v in hooks.items() if settings["cross_attention"] or "cross" not in k}
+    cross = settings["cross_attention"]
+    hooks = {h: f"{h} gets {what}." for h, what in BLOCK_HOOKS.items() if cross or "cross" not in h}
     expect_hooks(name, block, reference, hooks, *cases[0][1])
     torch.manual_seed(1)
     ours = TransformerBlock(16, 4, 4, 32, **settings, dropout=0.3).double()
@@ -207,6 +198,9 @@ def _expect_block(name: str, cls: type, settings: dict, cases: list, hint: str, 
     theirs.load_state_dict(ours.state_dict())
     hint = "give every residual_sublayer dropout=self.dropout, and add no other dropout."
     expect_same_in_train_mode(f"{name}, dropout=0.3", theirs, ours, *cases[0][1], hint=hint)
+    if settings["causal"] and not settings["cross_attention"]:  # chapter 6's KV cache
+        hint = "pass `cache` on to the self-attention: `self.attn(..., cache=cache)`."
+        expect_cached(f"{name}(x, cache=...)", block, reference, randn(2, 6, 16), [4], hint)
 
 
 def check_seq2seq_block(cls: type) -> None:
@@ -221,35 +215,20 @@ def check_seq2seq_block(cls: type) -> None:
     encoder = [("a padding mask", (x, mask), {}), ("mask left at its default", (x,), {})]
     decoder = [("padding masks", (x, mask, context, context_mask), {})]
     decoder.append(("mask and context_mask left at their default", (x,), {"context": context}))
-    gpt2 = dict(norm="pre", act_fn="gelu_new", causal=True, cross_attention=False)
-    for decoder_block, cases in ((False, encoder), (True, decoder), (None, encoder)):
-        for norm in ("post", "pre") if decoder_block is not None else ("pre",):
-            settings = dict(norm=norm, act_fn="relu", causal=decoder_block)
-            settings["cross_attention"] = decoder_block
-            settings = gpt2 if decoder_block is None else settings  # chapter 6's GPT-2 block
-            where = f"TransformerBlock({', '.join(f'{k}={v!r}' for k, v in settings.items())})"
-            _expect_block(where, cls, settings, cases, hint, crash * bool(decoder_block))
-    _expect_block_cache(cls, gpt2)
+    blocks = [(seq2seq, norm) for seq2seq in (False, True) for norm in ("post", "pre")]
+    blocks = [dict(norm=n, act_fn="relu", causal=d, cross_attention=d) for d, n in blocks]
+    blocks.append(dict(norm="pre", act_fn="gelu_new", causal=True, cross_attention=False))  # GPT-2
+    for settings in blocks:
+        where = f"TransformerBlock({', '.join(f'{k}={v!r}' for k, v in settings.items())})"
+        cross = settings["cross_attention"]
+        _expect_block(where, cls, settings, decoder if cross else encoder, hint, crash * cross)
     passed("TransformerBlock")
 
 
-def _expect_block_cache(cls: type, settings: dict) -> None:
-    """GPT-2's block run in two calls through one `LayerCache` gives one call's output."""
-    name, x = f"TransformerBlock({settings['norm']!r}, causal=True)(x, cache=...)", randn(2, 6, 16)
-    torch.manual_seed(1)
-    reference = perturb(TransformerBlock(16, 4, 4, 32, **settings).double(), seed=2).eval()
-    block = call(name, cls, 16, 4, 4, 32, **settings).double().eval()
-    block.load_state_dict(reference.state_dict())
-    cache = LayerCache()
-    with torch.no_grad():
-        pieces = [call(name, block, part, cache=cache) for part in (x[:, :4], x[:, 4:])]
-        expected = reference(x)
-    hint = "pass `cache` on to the self-attention: `self.attn(..., cache=cache)`."
-    expect_close(torch.cat(pieces, dim=1), expected, name, hint, atol=1e-8)
-
-
-def _decode(model, tgt: Tensor, memory: Tensor, tgt_mask, context_mask) -> Tensor:
-    """The reference's decode with the masks given (one of them left out: a classic mistake)."""
+def _decode(model, tgt: Tensor, memory: Tensor, src_mask: Tensor, without: str) -> Tensor:
+    """The reference's decode without the target's or the source's padding mask (`without`)."""
+    tgt_mask = None if without == "target" else padding_mask(tgt, model.cfg.pad_id)
+    context_mask = None if without == "source" else src_mask
     x = model.tgt_embed(tgt)
     for block in model.decoder:
         x = block(x, tgt_mask, context=memory, context_mask=context_mask)
@@ -257,9 +236,17 @@ def _decode(model, tgt: Tensor, memory: Tensor, tgt_mask, context_mask) -> Tenso
     return x @ (model.tgt_embed.W_E.T if model.cfg.tie_embeddings else model.W_U) + model.b_U
 
 
+DECODE_MISTAKES = {  # the padding mask the decoder leaves out: the hint
+    "target": "the target's padding is visible: give every decoder block padding_mask(tgt, pad_id) "
+    "as its mask (the blocks are causal themselves).",
+    "source": "the source padding is visible: pass context_mask=src_mask.",
+}
+
+
 def check_encoder_decoder(cls: type) -> None:
     """`cls(cfg).encode(src)` and `.decode(tgt, memory, src_mask)`, both norms."""
-    name, parts = "EncoderDecoderTransformer", "src_embed, tgt_embed, encoder, decoder, ln_enc"
+    name = "EncoderDecoderTransformer"
+    parts = "src_embed, tgt_embed, encoder, decoder, ln_enc, ln_dec, W_U, b_U"
     src = torch.tensor([[3, 4, 5, 6, 2], [7, 8, 2, 0, 0]])
     tgt = torch.tensor([[1, 9, 10, 11], [1, 12, 0, 0]])
     sizes = dict(src_vocab=13, tgt_vocab=13, d_model=16, n_heads=4, n_layers=2, d_mlp=32, n_ctx=12)
@@ -269,30 +256,22 @@ def check_encoder_decoder(cls: type) -> None:
         torch.manual_seed(4)
         ours = perturb(EncoderDecoderTransformer(cfg).double(), seed=5).eval()
         theirs = call(name, cls, cfg).double().eval()
-        load_reference_weights(where, theirs, ours, parts + ", ln_dec, W_U, b_U")
+        load_reference_weights(where, theirs, ours, parts)
         with torch.no_grad():
-            memory, expected = call(f"{name}.encode", theirs.encode, src), ours.encode(src)
+            encoded, memory = call(f"{name}.encode", theirs.encode, src), ours.encode(src)
             unnormed, src_mask = ours.src_embed(src), ours.src_mask(src)
             for block in ours.encoder:
                 unnormed = block(unnormed, src_mask)
             ln_enc = "pre-LN never normalises the stream inside the blocks: end with self.ln_enc."
             mistakes = {ln_enc: unnormed} if norm == "pre" else {}
             hint = "embed, every encoder block with the source padding mask, then (pre-LN) ln_enc."
-            expect_close(memory, expected, f"{where}, encode", hint, atol=1e-6, mistakes=mistakes)
-            logits = call(f"{name}.decode", theirs.decode, tgt, expected, src_mask)
-
-            mistakes = {
-                "the target's padding is visible: give every decoder block padding_mask(tgt, "
-                "pad_id) as its mask (the blocks are causal themselves).": _decode(
-                    ours, tgt, expected, None, src_mask
-                ),
-                "the source padding is visible: pass context_mask=src_mask.": _decode(
-                    ours, tgt, expected, padding_mask(tgt, cfg.pad_id), None
-                ),
-            }
+            expect_close(encoded, memory, f"{where}, encode", hint, atol=1e-6, mistakes=mistakes)
+            args = tgt, memory, src_mask
+            logits = call(f"{name}.decode", theirs.decode, *args)
+            mistakes = {hint: _decode(ours, *args, w) for w, hint in DECODE_MISTAKES.items()}
             hint = "embed the target; each decoder block gets the target padding mask, "
             hint += "context=memory, context_mask=src_mask; (pre-LN) ln_dec; then x @ W_U + b_U."
-            wanted, where = ours.decode(tgt, expected, src_mask), f"{where}, decode"
+            wanted, where = ours.decode(*args), f"{where}, decode"
             expect_close(logits, wanted, where, hint, atol=1e-6, mistakes=mistakes)
     passed(name)
 
@@ -313,13 +292,10 @@ def check_label_smoothing(fn: Callable[..., Tensor]) -> None:
     log_probs, keep = logits.log_softmax(-1), targets != 0
     nll = -log_probs.gather(-1, targets[..., None]).squeeze(-1)
     others, smoothed = (-log_probs.sum(-1) - nll) / 8, 0.8 * nll + 0.2 * -log_probs.mean(-1)
-    mistakes = {
-        "the smoothing mass is spread over all vocab tokens, the right one included: the target "
-        "is (1 - s) * one_hot + s / vocab.": (0.8 * nll + 0.2 * others)[keep].mean(),
-        "padding positions count: average over the positions whose target is not ignore_index.": (
-            smoothed.mean()
-        ),
-    }
+    spread = "the smoothing mass is spread over all vocab tokens, the right one included: the "
+    spread += "target is (1 - s) * one_hot + s / vocab."
+    padding = "padding positions count: average over the targets that are not ignore_index."
+    mistakes = {spread: (0.8 * nll + 0.2 * others)[keep].mean(), padding: smoothed.mean()}
     for label, scale, options, hint in LABEL_SMOOTHING_CASES:
         actual = call(name + label, fn, logits * scale, targets, **options)
         ignore, smoothing = options.get("ignore_index", -100), options["smoothing"]
@@ -331,31 +307,33 @@ def check_label_smoothing(fn: Callable[..., Tensor]) -> None:
     passed(name)
 
 
+def _inverse_sqrt(step: int, *, lr, warmup_steps, shift: int = 1, power: float = 0.5) -> float:
+    """`inverse_sqrt_lr` with n = step + `shift` and the decay's `power` (two mistakes)."""
+    n = step + shift
+    return lr * min(n / warmup_steps, (warmup_steps / max(n, 1)) ** power)
+
+
 def check_inverse_sqrt_lr(fn: Callable[..., float]) -> None:
     """`fn(step, *, lr, warmup_steps)`: linear warmup, then `lr * sqrt(warmup / n)`."""
-    mistakes = {
-        "steps count from 0, so use n = step + 1: step 0 needs a positive rate and the peak "
-        "comes at step warmup_steps - 1.": lambda step, *, lr, warmup_steps: (
-            lr * min(step / warmup_steps, math.sqrt(warmup_steps / max(step, 1)))
-        ),
-        "after warmup the rate falls with the square root of the step, not the step itself.": (
-            lambda step, *, lr, warmup_steps: (
-                lr * min(step + 1, warmup_steps**2 / (step + 1)) / warmup_steps
-            )
-        ),
-    }
+    from_zero = "steps count from 0, so use n = step + 1: step 0 needs a positive rate and the "
+    from_zero += "peak comes at step warmup_steps - 1."
+    linear = "after warmup the rate falls with the square root of the step, not the step itself."
+    mistakes = {from_zero: functools.partial(_inverse_sqrt, shift=0)}
+    mistakes[linear] = functools.partial(_inverse_sqrt, power=1)
     hint = "n = step + 1; return lr * min(n / warmup_steps, sqrt(warmup_steps / n))."
     cases = [dict(lr=1e-3, warmup_steps=100), dict(lr=7e-4, warmup_steps=40)]
     expect_schedule("inverse_sqrt_lr", fn, inverse_sqrt_lr, cases, mistakes, hint)
     passed("inverse_sqrt_lr")
 
 
+TOY = dict(src_vocab=20, tgt_vocab=20, n_heads=2, n_layers=1, n_ctx=16)  # ids 0-2 special
+
+
 class _Toy(EncoderDecoderTransformer):
     """A translator whose next-token probabilities are `rule(first source, position, token)`."""
 
     def __init__(self, rule: Callable[[int, int, int], dict[int, float]]):
-        sizes = dict(src_vocab=20, tgt_vocab=20, d_model=8, n_heads=2, n_layers=1, d_mlp=8)
-        super().__init__(Seq2SeqConfig(**sizes, dropout=0.0, n_ctx=16))
+        super().__init__(Seq2SeqConfig(**TOY, d_model=8, d_mlp=8, dropout=0.0))
         self.rule = rule
 
     def encode(self, src: Tensor) -> Tensor:
@@ -376,22 +354,20 @@ def _scripted(end: Callable[[int], int]) -> _Toy:
 
 
 def _random_translator(seed: int, dropout: float = 0.0) -> EncoderDecoderTransformer:
-    """A tiny untrained translator (vocabulary 20, ids 0-2 special) to decode with."""
+    """A tiny untrained translator to decode with."""
     torch.manual_seed(seed)
-    sizes = dict(src_vocab=20, tgt_vocab=20, d_model=16, n_heads=2, n_layers=1, d_mlp=16)
-    return EncoderDecoderTransformer(Seq2SeqConfig(**sizes, dropout=dropout, n_ctx=16)).eval()
+    cfg = Seq2SeqConfig(**TOY, d_model=16, d_mlp=16, dropout=dropout)
+    return EncoderDecoderTransformer(cfg).eval()
 
 
 def check_greedy_decode(fn: Callable[..., list[list[int]]]) -> None:
     """`fn(model, src, bos_id=, eos_id=, max_new_tokens=)`: each row's greedy tokens."""
     name, src, ids = "greedy_decode", torch.tensor([[3, 4], [5, 0]]), dict(bos_id=1, eos_id=2)
     stops = call(name, fn, _scripted(lambda first: 4), src, **ids, max_new_tokens=10)
-    mistakes = {
-        "the start token is in the output: drop the <s> you started with.": [[1, 5, 6, 7]] * 2,
-    }
     hint = "append the argmax of the last position's logits each step; a row is done at </s>."
     where = f"{name} (a model that says 5, 6, 7, </s>)"
-    expect_close(stops, [[5, 6, 7]] * 2, where, hint, mistakes=mistakes)
+    bos = {"the start token is in the output: drop the <s> you started with.": [[1, 5, 6, 7]] * 2}
+    expect_close(stops, [[5, 6, 7]] * 2, where, hint, mistakes=bos)
     ragged = call(name, fn, _scripted({3: 2, 5: 4}.get), src, **ids, max_new_tokens=10)
     hint = "keep decoding until every row has produced </s> (a finished row only gets padding), "
     hint += "and cut each row before its own first </s>."
