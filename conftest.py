@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -29,6 +30,10 @@ BOOK_DIR = ROOT / "book"
 BUILD_DIR = ROOT / "_build"
 EXECUTION_CACHE = BUILD_DIR / ".jupyter_cache"
 BOOK_TESTS = {"test_book_build.py", "test_book_html.py"}  # tests that use the built book
+# Book pages run on the other xdist worker, first in the solutions' queue, to share the load;
+# each hands its fresh outputs to the book build through a file in HANDED_OFF_DIR.
+HANDED_OFF = {"07_llama.ipynb"}
+HANDED_OFF_DIR = BUILD_DIR / "handed_off"
 
 _code_cells: dict[Path, int] = {}  # book page -> number of code cells nbval collected
 _executed: dict[Path, dict[int, list]] = {}  # book page -> code cell number -> fresh outputs
@@ -42,6 +47,8 @@ def pytest_configure(config):
     """Under pytest-xdist (`-n N`), share the cores: each worker, and each notebook kernel it
     starts, gets cores / N threads. Small models gain little from a second thread, so two
     workers with one thread each finish the suite sooner than one worker with two."""
+    if not hasattr(config, "workerinput"):  # the controller, before any worker runs a page
+        shutil.rmtree(HANDED_OFF_DIR, ignore_errors=True)
     workers = os.environ.get("PYTEST_XDIST_WORKER_COUNT")
     if workers:
         threads = str(max(1, (os.cpu_count() or 1) // int(workers)))
@@ -55,12 +62,15 @@ def pytest_configure(config):
 def pytest_xdist_make_scheduler(config, log):
     """Under `pytest -n N`, hand out whole files, and keep together on one worker, in order:
     the book pages and the book build that reuses their outputs; the solutions workbooks, each
-    of which loads the parts the earlier ones saved (`parts.keep`, `parts.load_parts`)."""
+    of which loads the parts the earlier ones saved (`parts.keep`, `parts.load_parts`), after
+    the book pages in HANDED_OFF (collected first, so run first)."""
     from xdist.scheduler import LoadScopeScheduling
 
     class BookTogether(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
             path = nodeid.split("::", 1)[0]
+            if path.startswith(f"{BOOK_DIR.name}/") and Path(path).name in HANDED_OFF:
+                return "solutions"
             if path.startswith(f"{BOOK_DIR.name}/") or Path(path).name in BOOK_TESTS:
                 return "book"
             return "solutions" if path.startswith("solutions/") else path
@@ -79,9 +89,15 @@ def pytest_runtest_makereport(item, call):
     """Keep the outputs of every book cell that nbval ran and found as stored."""
     report = (yield).get_result()
     if call.when == "call" and report.passed and _is_book_cell(item):
-        _executed.setdefault(Path(str(item.fspath)), {})[item.cell_num] = list(
-            item.test_outputs or []
-        )
+        path = Path(str(item.fspath))
+        _executed.setdefault(path, {})[item.cell_num] = list(item.test_outputs or [])
+        if path.name in HANDED_OFF and len(_executed[path]) == _code_cells[path]:
+            import nbformat
+
+            HANDED_OFF_DIR.mkdir(parents=True, exist_ok=True)
+            partial = HANDED_OFF_DIR / f"{path.name}.partial"
+            nbformat.write(_with_outputs(path, _executed[path]), partial)
+            partial.replace(HANDED_OFF_DIR / path.name)  # whole or absent, never half-written
 
 
 def _cache_executed_pages() -> None:
@@ -94,13 +110,24 @@ def _cache_executed_pages() -> None:
     cache = get_cache(str(EXECUTION_CACHE))
     for path, n_cells in _code_cells.items():
         fresh = _executed.get(path, {})
-        if len(fresh) != n_cells:
+        if len(fresh) == n_cells:
+            notebook = _with_outputs(path, fresh)
+        elif (HANDED_OFF_DIR / path.name).exists():  # run, and passed, on another worker
+            notebook = nbformat.read(HANDED_OFF_DIR / path.name, as_version=4)
+        else:
             continue  # not run, or a cell failed: the build executes this page itself
-        notebook = nbformat.read(path, as_version=4)
-        code = [cell for cell in notebook.cells if cell.cell_type == "code"]
-        for number, cell in enumerate(code):
-            cell.outputs, cell.execution_count = fresh[number], number + 1
         cache.cache_notebook_bundle(CacheBundleIn(notebook, str(path)), overwrite=True)
+
+
+def _with_outputs(path: Path, fresh: dict[int, list]):
+    """The book page at `path` with nbval's fresh outputs in its code cells."""
+    import nbformat
+
+    notebook = nbformat.read(path, as_version=4)
+    code = [cell for cell in notebook.cells if cell.cell_type == "code"]
+    for number, cell in enumerate(code):
+        cell.outputs, cell.execution_count = fresh[number], number + 1
+    return notebook
 
 
 @pytest.fixture(scope="session")
