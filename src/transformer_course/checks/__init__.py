@@ -2,11 +2,19 @@
 that the learner's code passes or raises `CheckFailure` with a hint naming the likely mistake.
 Every chapter module's `check_*` functions are re-exported here, with `CheckFailure`."""
 
-from transformer_course.checks import attention, gpt2, layernorm, masking, tokenization, translation
+from transformer_course.checks import (
+    attention,
+    gpt2,
+    layernorm,
+    llama,
+    masking,
+    tokenization,
+    translation,
+)
 from transformer_course.checks.harness import CheckFailure
 
 __all__ = ["CheckFailure"]
-for _chapter in (tokenization, attention, masking, layernorm, translation, gpt2):
+for _chapter in (tokenization, attention, masking, layernorm, translation, gpt2, llama):
     _checkers = {name: fn for name, fn in vars(_chapter).items() if name.startswith("check_")}
     globals().update(_checkers)
     __all__ += sorted(_checkers)
