@@ -439,7 +439,9 @@ def execute(path: Path) -> None:
     os.environ["OMP_NUM_THREADS"] = os.environ["MKL_NUM_THREADS"] = "1"
     notebook = nbformat.read(path, as_version=4)
     resources = {"metadata": {"path": str(path.parent)}}
-    NotebookClient(notebook, timeout=1800, kernel_name="python3", resources=resources).execute()
+    client = NotebookClient(notebook, timeout=1800, kernel_name="python3", resources=resources)
+    client.record_timing = False  # no timestamps in the stored notebooks
+    client.execute()
     nbformat.write(notebook, path)
 
 

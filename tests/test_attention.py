@@ -382,7 +382,7 @@ def test_mha_hooks_are_named_inside_a_larger_model():
         (lambda: MultiHeadAttention(8, 2, d_head=0), "d_head: expected a positive int, got 0"),
         (
             lambda: MultiHeadAttention(8, 2)(torch.randn(2, 3, 6)),
-            r"x: expected shape \(batch, pos, d_model=8\), got shape \(2, 3, 6\)",
+            r"x: expected shape \(batch, pos, d_model=8\) with pos >= 1, got shape \(2, 3, 6\)",
         ),
         (
             lambda: MultiHeadAttention(8, 2)(torch.randn(2, 3, 8), torch.randn(2, 4, 5)),

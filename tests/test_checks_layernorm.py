@@ -34,14 +34,14 @@ def _float32_inside(x):
 
 
 def test_valid_alternatives_pass():
-    """Other correct implementations pass: `torch.var_mean` with `rsqrt`, one that upcasts half
+    """Other correct implementations pass: `torch.var_mean` with `reciprocal`, one that upcasts half
     precision with `.float()` and casts back, and an RMSNorm written with `reciprocal`."""
 
     def var_mean(self, x):
         y = _float32_inside(x)
         var, mean = torch.var_mean(y, dim=-1, keepdim=True, correction=0)
-        self.hook_scale(torch.sqrt(var + self.eps))
-        normalized = self.hook_normalized((y - mean) * torch.rsqrt(var + self.eps))
+        scale = self.hook_scale(torch.sqrt(var + self.eps))
+        normalized = self.hook_normalized((y - mean) * scale.reciprocal())
         return (normalized * self.w + self.b).to(x.dtype)
 
     def upcast_half(self, x):

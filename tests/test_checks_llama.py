@@ -127,6 +127,8 @@ def pairs_with(bug=""):
         if bug in ("halves", "interleaved"):
             return torch.cat(turned, dim=-1).to(x.dtype)
         out = torch.stack(turned, dim=-1).flatten(-2)
+        if bug == "in place":
+            return x.copy_(out)
         return out if bug == "float32 out" else out.to(x.dtype)
 
     return rotate_pairs
@@ -151,6 +153,7 @@ def test_rotate_pairs_alternatives_pass():
         ("other way", "other way"),
         ("interleaved", "interleaved back wrongly"),
         ("float32 out", "x's dtype"),
+        ("in place", "in place"),
     ],
 )
 def test_rotate_pairs_mistakes_are_named(bug, word):
@@ -187,6 +190,18 @@ def test_rotary_embedding_mistakes_are_named(bug, word):
     fails(check_rotary_embedding, rotary_with(bug), word)
 
 
+def test_rotary_embedding_past_its_tables_or_returning_nothing_is_named():
+    def past_the_tables(self, x, positions=None, *, offset=0):
+        rows = slice(offset, offset + x.shape[-2]) if positions is None else positions
+        cos, sin, (a, b) = self.cos[rows], self.sin[rows], (x[..., 0::2], x[..., 1::2])
+        return torch.stack((a * cos - b * sin, a * sin + b * cos), -1).flatten(-2)
+
+    past = learner(rope.RotaryEmbedding, forward=past_the_tables)
+    fails(check_rotary_embedding, past, "offset=32", "refuse offset + pos > n_ctx")
+    nothing = learner(rope.RotaryEmbedding, forward=lambda self, x, positions=None, offset=0: None)
+    fails(check_rotary_embedding, nothing, "RotaryEmbedding.forward(x)", "got None")
+
+
 # SiLU, SwiGLU
 
 
@@ -201,6 +216,8 @@ def test_silu_alternative_passes():
         (lambda x: x * torch.tanh(x), "tanh"),
         (F.gelu, "GELU"),
         (lambda x: F.silu(x.double()), "dtype"),
+        (lambda x: x.mul_(torch.sigmoid(x)), "in place"),
+        (lambda x: F.silu(x.float()).to(x.dtype), "differ"),  # float64 computed in float32
     ],
 )
 def test_silu_mistakes_are_named(fn, word):
@@ -230,6 +247,24 @@ def test_swiglu_alternative_passes():
 )
 def test_swiglu_mistakes_are_named(post, word):
     fails(check_swiglu, swiglu_with(post), word)
+
+
+def test_swiglu_that_discards_what_a_hook_returns_is_named():
+    def forward(self, x):
+        gate, linear = x @ self.W_gate, x @ self.W_in
+        self.hook_pre(gate), self.hook_pre_linear(linear)
+        return self.hook_post(F.silu(gate) * linear) @ self.W_out
+
+    fails(check_swiglu, learner(llama.SwiGLU, forward=forward), "hook_pre", "returns")
+
+
+def test_swiglu_for_three_dims_only_is_named():
+    def forward(self, x):
+        gate = self.hook_pre(einops.einsum(x, self.W_gate, "b p m, m f -> b p f"))
+        linear = self.hook_pre_linear(einops.einsum(x, self.W_in, "b p m, m f -> b p f"))
+        return self.hook_post(F.silu(gate) * linear) @ self.W_out
+
+    fails(check_swiglu, learner(llama.SwiGLU, forward=forward), "(5, 16)", "leading dims")
 
 
 def test_swiglu_with_a_hook_fed_the_wrong_tensor_is_named():
@@ -267,7 +302,11 @@ class BuggyGQA(llama.GroupedQueryAttention):
         group = self.n_heads // self.n_kv_heads
         if bug == "repeated before the cache":
             k, v, group = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1), 1
-        if cache is not None:
+        if bug == "unrotated cache":  # cache the keys before RoPE, then turn them all from 0
+            k_raw = einops.einsum(x, self.W_K, "b p m, h m d -> b h p d")
+            k, v = cache.extend(k_raw, v) if cache is not None else (k_raw, v)
+            k = rope.apply_rope(k, torch.arange(k.shape[-2]), self.rotary.theta)
+        elif cache is not None:
             k, v = cache.extend(k, v)
         mask = causal_mask(q.shape[-2], k.shape[-2])
         if self.fast_path and not bug:
@@ -301,6 +340,7 @@ def test_gqa_alternative_passes(capsys):
         ("no mask", ["no causal mask"]),
         ("unscaled", ["sqrt(d_head)"]),
         ("repeated before the cache", ["cached keys", "keeps n_kv_heads"]),
+        ("unrotated cache", ["the cached keys", "after RoPE"]),
     ],
 )
 def test_gqa_mistakes_are_named(bug, words):
@@ -403,7 +443,7 @@ def test_llama_that_differs_from_hugging_face_only_is_caught():
 def xent_with(bug=""):
     def cross_entropy(logits, targets):
         x, dim = (
-            (logits if bug == "in bfloat16" else upcast(logits)),
+            {"in bfloat16": logits, "always float32": logits.float()}.get(bug, upcast(logits)),
             1 if bug == "wrong dim" else -1,
         )
         if bug != "overflow":
@@ -433,6 +473,7 @@ def test_cross_entropy_alternatives_pass():
         ("sign", "sign is flipped"),
         ("overflow", "exp overflows"),
         ("in bfloat16", "compute in float32"),
+        ("always float32", "differ"),
     ],
 )
 def test_cross_entropy_mistakes_are_named(bug, word):
@@ -476,8 +517,11 @@ def test_clip_grad_norm_mistakes_are_named(bug, word):
 def adamw_with(bug="", torch_style=False):
     def _update(self, param, group):
         lr = self.defaults["lr"] if bug == "fixed lr" else group["lr"]
-        (beta1, beta2), eps, decay = group["betas"], group["eps"], group["weight_decay"]
-        state = self.state[param]
+        settings = self.defaults if bug == "defaults" else group
+        (beta1, beta2), eps, decay = settings["betas"], settings["eps"], settings["weight_decay"]
+        if bug == "own state":  # kept where state_dict() does not look
+            self.__dict__.setdefault("mine", {})
+        state = self.mine.setdefault(param, {}) if bug == "own state" else self.state[param]
         if not state:
             state.update(step=0, m=torch.zeros_like(param), v=torch.zeros_like(param))
         state["step"] += 1
@@ -514,6 +558,8 @@ def test_adamw_alternatives_pass():
         ("after", "decay comes after the update"),
         ("eps inside", "eps inside the square root"),
         ("fixed lr", "lr not read from the group"),
+        ("defaults", "group['betas'], not self.defaults"),
+        ("own state", "self.state[param]"),
     ],
 )
 def test_adamw_mistakes_are_named(bug, word):

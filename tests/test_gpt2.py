@@ -451,6 +451,12 @@ def test_forward_with_cache_greedy_tokens_match_generate_and_refuse_past_n_ctx()
         assert torch.equal(tokens, generate(model, prompt, 12, temperature=0))
         with pytest.raises(ValueError, match="at most n_ctx=16 positions with the 16 cached"):
             forward_with_cache(model, tokens[:, -1:], cache)
+        short = [(k[..., :4, :], v[..., :4, :]) for k, v in cache]
+        for wrong in (cache[:1], [cache[0], short[1]], [(None, None)] * 2):
+            with pytest.raises(ValueError, match="cache: expected None or, for each of the 2"):
+                forward_with_cache(model, tokens[:, 4:5], wrong)
+        with pytest.raises(ValueError, match=r"batch=1, n_heads=4"):
+            forward_with_cache(model, tokens[:1, 4:5], short)
 
 
 def test_fast_path_matches_the_einsum_path():

@@ -120,3 +120,30 @@ def test_tiktoken_agrees_around_spaces(
     text: str, ours: BPETokenizer, tiktoken_gpt2: tiktoken.Encoding
 ) -> None:
     assert ours.encode_ordinary(text) == tiktoken_gpt2.encode_ordinary(text)
+
+
+def test_encode_iterable_equals_encode_across_blank_lines(ours: BPETokenizer) -> None:
+    """At the end of a text a run of newlines is one chunk ("\\n\\n", id 628), but before a
+    word it splits ("\\n" + "\\n" + "World"): a stream must not settle text that ends in
+    whitespace, or a file read line by line gets other ids than the file read whole."""
+    text = "Hello.\n\nWorld\n\n\n  indented\n \n\tThe end.\n" * 3
+    expected = ours.encode(text)
+    assert 628 not in expected[:4]  # "\n" "\n" before "World", not "\n\n"
+    assert list(ours.encode_iterable(text.splitlines(keepends=True))) == expected
+    assert list(ours.encode_iterable(text)) == expected  # a character at a time
+    shakespeare = data.load_text("tinyshakespeare")[:20_000]
+    lines = shakespeare.splitlines(keepends=True)
+    assert list(ours.encode_iterable(lines)) == ours.encode(shakespeare)
+
+
+def test_encode_iterable_looks_again_only_once_unsettled_text_has_doubled(ours, monkeypatch):
+    """A run that cannot settle (one long word, fed a character at a time) is looked at again
+    when it has doubled, not after every piece: linear time, not quadratic."""
+    looks = []
+    settled_length = ours.settled_length
+    monkeypatch.setattr(
+        ours, "settled_length", lambda text: looks.append(text) or settled_length(text)
+    )
+    word = "a" * 4000
+    assert list(ours.encode_iterable(word)) == ours.encode(word)
+    assert len(looks) <= 14, len(looks)  # about log2(4000) = 12

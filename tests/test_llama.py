@@ -289,8 +289,45 @@ def test_kv_cache_gives_the_full_forward_logits(fast_path):
             pieces.append(logits)
     assert len(cache) == 2 and cache[0][0].shape == (2, 2, N_CTX, 8)  # n_kv_heads, not n_heads
     assert (torch.cat(pieces, dim=1) - full).abs().max().item() <= 1e-10
-    with pytest.raises(ValueError, match="tokens"):
+    with pytest.raises(ValueError, match="tokens.*start a new cache"):
         llama_forward_with_cache(model, ids[:, :1], cache)
+
+
+def test_kv_cache_from_elsewhere_is_refused_naming_cache():
+    """Each block's cache is used as given: one of another length, batch or model, or a cache
+    with a block missing, would give wrong logits (zip stops at the shorter list) or a shape
+    error deep inside attention."""
+    model, ids = Llama.from_huggingface(hf_llama(n_kv_heads=2)).eval(), tokens()
+    with torch.no_grad():
+        _, three = llama_forward_with_cache(model, ids[:, :3])
+        _, five = llama_forward_with_cache(model, ids[:, :5])
+        for cache in (three[:1], three + three, [three[0], five[1]], [(None, None)] * 2, []):
+            with pytest.raises(ValueError, match=r"cache: expected None or, for each of the 2"):
+                llama_forward_with_cache(model, ids[:, 3:4], cache)
+        with pytest.raises(ValueError, match=r"batch=1"):
+            llama_forward_with_cache(model, ids[:1, 3:4], three)
+
+
+def test_rope_refuses_what_it_cannot_do_and_indexes_small_int_positions():
+    rotary, x = RotaryEmbedding(8, 16), torch.randn(5, 8)
+    positions = torch.tensor([0, 3, 9, 2, 15])
+    for dtype in (torch.uint8, torch.int8, torch.int16):  # uint8 would index as a mask
+        assert torch.equal(rotary(x, positions.to(dtype)), rotary(x, positions))
+    with pytest.raises(ValueError, match="offset: expected 0 when positions are given"):
+        rotary(x, positions, offset=3)
+    with pytest.raises(ValueError, match="d_head"):
+        rotate_half(torch.arange(5.0))
+
+
+def test_layers_name_what_is_wrong_with_their_input():
+    with pytest.raises(TypeError, match="x: expected dtype torch.float32 .* got torch.float64"):
+        SwiGLU(8, 12)(torch.randn(3, 8, dtype=torch.float64))
+    with pytest.raises(ValueError, match=r"x: expected shape .* pos >= 1, got shape \(1, 0, 16\)"):
+        GroupedQueryAttention(16, 4, 2, n_ctx=8)(torch.randn(1, 0, 16))
+    with pytest.raises(ValueError, match="norm_eps"):
+        LlamaConfig(16, 1, 4, norm_eps=1e-50)
+    config = HFLlamaConfig(**SMALL, initializer_range=0.0)  # unset: not needed to load
+    assert LlamaConfig.from_huggingface(config).init_range == 0.02
 
 
 def test_fast_path_matches_the_einsum_path():

@@ -109,12 +109,40 @@ def test_adamw_state_dict_resumes_exactly():
         (dict(betas=(0.9, -0.1)), r"betas\[1\]"),
         (dict(betas=(0.9,)), "betas"),
         (dict(eps=-1e-8), "eps"),
+        (dict(eps=0.0), "eps: expected a finite number > 0"),
         (dict(weight_decay=-0.1), "weight_decay"),
     ],
 )
 def test_adamw_rejects_bad_hyperparameters(kwargs, word):
     with pytest.raises(ValueError, match=word):
         AdamW([nn.Parameter(torch.zeros(2))], **kwargs)
+
+
+def test_adamw_checks_each_groups_settings_and_parameters_when_it_steps():
+    """A group's own settings, or ones a schedule changed, are checked before any update; so are
+    parameters it cannot update without NaN: float16 (eps 1e-8 rounds to 0 there, and a zero
+    gradient gives 0/0), complex ones and sparse gradients."""
+    params = [nn.Parameter(torch.ones(2)), nn.Parameter(torch.ones(2))]
+    optimizer = AdamW([{"params": params[:1]}, {"params": params[1:], "eps": -1.0}])
+    for param in params:
+        param.grad = torch.ones(2)
+    with pytest.raises(ValueError, match=r"param_groups\[1\]\['eps'\]: expected .* > 0"):
+        optimizer.step()
+    assert torch.equal(params[0].detach(), torch.ones(2))  # refused before any update
+    optimizer.param_groups[1]["eps"], optimizer.param_groups[0]["lr"] = 1e-8, -0.1
+    with pytest.raises(ValueError, match=r"param_groups\[0\]\['lr'\]"):
+        optimizer.step()
+    for param, word in [
+        (nn.Parameter(torch.zeros(3, dtype=torch.float16)), "float16"),
+        (nn.Parameter(torch.zeros(3, dtype=torch.complex64)), "complex64"),
+    ]:
+        param.grad = torch.zeros_like(param)
+        with pytest.raises(ValueError, match=rf"param_groups\[0\]\['params'\].*{word}"):
+            AdamW([param]).step()
+    embedding = nn.Embedding(5, 3, sparse=True)
+    embedding(torch.tensor([1])).sum().backward()
+    with pytest.raises(ValueError, match="sparse gradient"):
+        AdamW(embedding.parameters()).step()
 
 
 @pytest.mark.parametrize("max_norm", [0.05, 1.0, 1e3])
@@ -145,6 +173,21 @@ def test_clip_grad_norm_of_one_tensor_and_of_none():
     assert clip_grad_norm([nn.Parameter(torch.zeros(2))], 1.0).item() == 0.0
     with pytest.raises(ValueError, match="max_norm"):
         clip_grad_norm(param, -1.0)
+
+
+def test_clip_grad_norm_measures_at_inf_and_leaves_non_finite_gradients_alone():
+    """max_norm=inf measures without clipping, as in PyTorch. A non-finite norm is returned with
+    the gradients untouched (PyTorch would scale [inf, 1] to [nan, 0]), and a named parameter
+    list is refused naming its first entry."""
+    param = nn.Parameter(torch.zeros(2))
+    param.grad = torch.tensor([3.0, 4.0])
+    assert clip_grad_norm([param], float("inf")).item() == pytest.approx(5.0)
+    assert torch.equal(param.grad, torch.tensor([3.0, 4.0]))
+    param.grad = torch.tensor([float("inf"), 1.0])
+    assert clip_grad_norm([param], 1.0).item() == float("inf")
+    assert torch.equal(param.grad, torch.tensor([float("inf"), 1.0]))
+    with pytest.raises(TypeError, match=r"parameters\[0\]: expected a torch.Tensor, got tuple"):
+        clip_grad_norm(nn.Linear(2, 2).named_parameters(), 1.0)
 
 
 @pytest.mark.parametrize("shape", [(5, 11), (2, 7, 11), (11,)])
@@ -192,6 +235,7 @@ def test_cross_entropy_on_bfloat16_computes_in_float32():
         (torch.randn(3, 5), torch.tensor([0, 5, 1]), "d_vocab=5"),
         (torch.randn(3, 5), torch.tensor([0, -1, 1]), "targets"),
         (torch.zeros(3, 5, dtype=torch.long), torch.zeros(3, dtype=torch.long), "logits"),
+        (torch.zeros(0, 5), torch.zeros(0, dtype=torch.long), "non-empty"),
     ],
 )
 def test_cross_entropy_rejects_bad_inputs(logits, targets, word):

@@ -367,9 +367,10 @@ def forward_with_cache(
 
     Course: chapter 6, exercise 6.13, checked by checks.gpt2.check_kv_cache.
     """
-    layers = [LayerCache(*pair) for pair in cache or [(None, None)] * model.cfg.n_layers]
-    start = 0 if cache is None else cache[0][0].shape[-2]
-    validate.token_tensor("tokens", tokens, model.cfg.d_vocab, n_ctx=model.cfg.n_ctx, cached=start)
+    cfg = model.cfg
+    start = validate.kv_cache(cache, tokens, cfg.n_layers, cfg.n_heads, cfg.d_head)
+    validate.token_tensor("tokens", tokens, cfg.d_vocab, n_ctx=cfg.n_ctx, cached=start)
+    layers = [LayerCache(*pair) for pair in cache or [(None, None)] * cfg.n_layers]
     residual = model.embed(tokens) + model.pos_embed.W_pos[start : start + tokens.shape[1]]
     for block, layer in zip(model.blocks, layers):
         residual = block(residual, cache=layer)

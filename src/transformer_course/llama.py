@@ -107,7 +107,7 @@ class LlamaConfig:
         mlp = llama_mlp_size(self.d_model) if self.d_mlp is None else self.d_mlp
         self.d_mlp = validate.positive_int("d_mlp", mlp)
         validate.number("rope_theta", self.rope_theta, low=0, low_open=True)
-        validate.number("norm_eps", self.norm_eps, low=0, low_open=True)
+        validate.number("norm_eps", self.norm_eps, low=torch.finfo(torch.float32).tiny)
         validate.flag("tie_embeddings", self.tie_embeddings)
         validate.number("init_range", self.init_range, low=0, low_open=True)
 
@@ -140,7 +140,7 @@ class LlamaConfig:
             rope_theta=rope.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0)),
             norm_eps=hf_config.rms_norm_eps,
             tie_embeddings=bool(hf_config.tie_word_embeddings),
-            init_range=hf_config.initializer_range,
+            init_range=hf_config.initializer_range or 0.02,  # 0: unset, and not used to load
         )
 
 
@@ -177,7 +177,7 @@ class SwiGLU(nn.Module):
         self.hook_post = HookPoint()  # [*batch, d_mlp]: silu(x W_gate) * x W_in
 
     def forward(self, x: Float[Tensor, "*batch d_model"]) -> Float[Tensor, "*batch d_model"]:
-        validate.last_dim(x, self.d_model)
+        validate.last_dim(x, self.d_model, dtype=self.W_in.dtype)
         pre = self.hook_pre(
             einops.einsum(x, self.W_gate, "... d_model, d_model d_mlp -> ... d_mlp")
         )
@@ -421,9 +421,10 @@ def llama_forward_with_cache(
 
     Course: chapter 7.
     """
-    layers = [LayerCache(*pair) for pair in cache or [(None, None)] * model.cfg.n_layers]
-    start = 0 if cache is None else cache[0][0].shape[-2]
-    validate.token_tensor("tokens", tokens, model.cfg.d_vocab, n_ctx=model.cfg.n_ctx, cached=start)
+    cfg = model.cfg
+    start = validate.kv_cache(cache, tokens, cfg.n_layers, cfg.n_kv_heads, cfg.d_head)
+    validate.token_tensor("tokens", tokens, cfg.d_vocab, n_ctx=cfg.n_ctx, cached=start)
+    layers = [LayerCache(*pair) for pair in cache or [(None, None)] * cfg.n_layers]
     residual = model.embed(tokens)
     for block, layer in zip(model.blocks, layers):
         residual = block(residual, cache=layer)

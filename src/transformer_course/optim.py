@@ -53,15 +53,9 @@ class AdamW(torch.optim.Optimizer):
         eps: float = 1e-8,
         weight_decay: float = 1e-2,
     ) -> None:
-        validate.number("lr", lr, low=0)
-        if not isinstance(betas, (tuple, list)) or len(betas) != 2:
-            raise ValueError(f"betas: expected two numbers (beta1, beta2), got {betas!r}")
-        for index, beta in enumerate(betas):
-            validate.probability(f"betas[{index}]", beta)
-        validate.number("eps", eps, low=0)
-        validate.number("weight_decay", weight_decay, low=0)
-        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
-        super().__init__(params, defaults)
+        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+        _check_settings(defaults)
+        super().__init__(params, {**defaults, "betas": tuple(betas)})
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:
@@ -71,6 +65,8 @@ class AdamW(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        for index, group in enumerate(self.param_groups):  # all of them before any update
+            _check_settings(group, f"param_groups[{index}]")
         for group in self.param_groups:
             for param in group["params"]:
                 if param.grad is not None:
@@ -95,26 +91,50 @@ class AdamW(torch.optim.Optimizer):
         param.addcdiv_(m_hat, v_hat.sqrt().add_(eps), value=-lr)
 
 
+def _check_settings(group: dict, where: str = "") -> None:
+    """AdamW's settings (`lr`, `betas`, `eps`, `weight_decay` of the defaults or of a group
+    `where`) and the parameters it can update: real, not float16, with dense gradients."""
+    name = lambda key: f"{where}[{key!r}]" if where else key
+    validate.number(name("lr"), group["lr"], low=0)
+    betas = group["betas"]
+    if not isinstance(betas, (tuple, list)) or len(betas) != 2:
+        raise ValueError(f"{name('betas')}: expected two numbers (beta1, beta2), got {betas!r}")
+    for index, beta in enumerate(betas):
+        validate.probability(f"{name('betas')}[{index}]", beta)
+    validate.number(name("eps"), group["eps"], low=0, low_open=True)
+    validate.number(name("weight_decay"), group["weight_decay"], low=0)
+    for param in group.get("params", ()):
+        sparse = param.grad is not None and param.grad.is_sparse
+        if param.is_complex() or param.dtype == torch.float16 or sparse:
+            got = f"{param.dtype} with a sparse gradient" if sparse else f"{param.dtype}"
+            raise ValueError(
+                f"{where}['params']: expected real, non-float16 parameters with dense gradients "
+                f"(in float16 eps=1e-8 rounds to 0: keep float32 weights, use autocast), got {got}"
+            )
+
+
 def clip_grad_norm(parameters: Tensor | Iterable[Tensor], max_norm: float) -> Float[Tensor, ""]:
     """Scale the gradients of `parameters` in place so that their global L2 norm (the norm of
     all of them as one long vector) is at most `max_norm`; return that norm before clipping.
 
     Every gradient is multiplied by the same factor `max_norm / (norm + 1e-6)`, capped at 1,
     as `torch.nn.utils.clip_grad_norm_` does: the update keeps its direction. Parameters
-    without a gradient are skipped (no gradient at all: the norm is 0). A non-finite norm is
-    returned as it is, so a training loop can skip that step.
+    without a gradient are skipped (no gradient at all: the norm is 0); `max_norm=inf` only
+    measures. A non-finite norm is returned as it is, the gradients left untouched, so a
+    training loop can skip that step.
 
     Course: chapter 7, exercise 7.10, checked by checks.llama.check_clip_grad_norm.
     """
     params = [parameters] if isinstance(parameters, Tensor) else list(parameters)
-    validate.number("max_norm", max_norm, low=0)
+    validate.tensors("parameters", params)
+    validate.number("max_norm", max_norm, low=0, finite=False)
     grads = [p.grad for p in params if p.grad is not None]
     if not grads:
         return torch.tensor(0.0)
     device = grads[0].device
     norms = torch.stack([torch.linalg.vector_norm(g).to(device) for g in grads])
     total = torch.linalg.vector_norm(norms)  # sqrt of the sum of every squared entry
-    factor = (max_norm / (total + 1e-6)).clamp(max=1.0)
+    factor = (max_norm / (total + 1e-6)).clamp(max=1.0).where(total.isfinite(), 1.0)
     for grad in grads:
         grad.mul_(factor.to(grad.device, grad.dtype))
     return total
@@ -134,11 +154,13 @@ def cross_entropy(
 
     Course: chapter 7, exercise 7.9, checked by checks.llama.check_cross_entropy.
     """
-    if not isinstance(logits, Tensor) or logits.ndim == 0 or not logits.is_floating_point():
+    if not isinstance(logits, Tensor) or not logits.numel() or not logits.is_floating_point():
         got = type(logits).__name__
         if isinstance(logits, Tensor):
             got = f"a {logits.dtype} tensor of shape {tuple(logits.shape)}"
-        raise ValueError(f"logits: expected a floating-point tensor (..., d_vocab), got {got}")
+        raise ValueError(
+            f"logits: expected a non-empty floating-point tensor (..., d_vocab), got {got}"
+        )
     validate.targets(targets, logits)
     if targets.is_floating_point() or targets.is_complex() or targets.dtype == torch.bool:
         raise ValueError(f"targets: expected an integer dtype (token ids), got {targets.dtype}")

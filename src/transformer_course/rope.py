@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import einops
 import torch
-from jaxtyping import Float, Int
+from jaxtyping import Float, Integer
 from torch import Tensor, nn
 
 from transformer_course import validate
@@ -43,7 +43,7 @@ __all__ = [
 
 
 def rope_angles(
-    positions: Int[Tensor, "*#batch #pos"], d_head: int, theta: float = 10000.0
+    positions: Integer[Tensor, "*#batch #pos"], d_head: int, theta: float = 10000.0
 ) -> Float[Tensor, "*#batch #pos half"]:
     """The angle of each pair `i` (of `d_head / 2`) at each position: `p * theta^(-2i / d_head)`,
     in float32. Pair 0 turns by one radian per position; the last pair, almost not at all.
@@ -75,7 +75,7 @@ def rotate_pairs(
 
 def apply_rope(
     x: Float[Tensor, "*batch pos d_head"],
-    positions: Int[Tensor, "*#batch #pos"],
+    positions: Integer[Tensor, "*#batch #pos"],
     theta: float = 10000.0,
 ) -> Float[Tensor, "*batch pos d_head"]:
     """RoPE on queries or keys `x` `(..., pos, d_head)`: the vector at `positions[..., j]` has
@@ -126,7 +126,7 @@ class RotaryEmbedding(nn.Module):
     def forward(
         self,
         x: Float[Tensor, "*batch pos d_head"],
-        positions: Int[Tensor, "*#batch #pos"] | None = None,
+        positions: Integer[Tensor, "*#batch #pos"] | None = None,
         *,
         offset: int = 0,
     ) -> Float[Tensor, "*batch pos d_head"]:
@@ -134,8 +134,9 @@ class RotaryEmbedding(nn.Module):
         offset + pos - 1` (a slice of the tables: no positions to read)."""
         validate.rope_input(x, self.d_head)
         if positions is not None:
-            validate.rope_positions(positions, x, n_ctx=self.n_ctx)
-            return rotate_pairs(x, self.cos[positions], self.sin[positions])
+            validate.rope_positions(positions, x, n_ctx=self.n_ctx, offset=offset)
+            rows = positions.long()  # uint8 would index as a mask
+            return rotate_pairs(x, self.cos[rows], self.sin[rows])
         end = validate.integer("offset", offset, low=0) + x.shape[-2]
         if end > self.n_ctx:
             raise ValueError(
@@ -157,13 +158,14 @@ def rotate_half(x: Float[Tensor, "*batch d_head"]) -> Float[Tensor, "*batch d_he
 
     Course: chapter 7.
     """
+    validate.even("d_head (the last dim of x)", x.shape[-1], "rotate_half turns pairs of dims")
     first, second = x.chunk(2, dim=-1)
     return torch.cat((-second, first), dim=-1)
 
 
 def apply_rope_halves(
     x: Float[Tensor, "*batch pos d_head"],
-    positions: Int[Tensor, "*#batch #pos"],
+    positions: Integer[Tensor, "*#batch #pos"],
     theta: float = 10000.0,
 ) -> Float[Tensor, "*batch pos d_head"]:
     """RoPE in Hugging Face's layout: `x cos + rotate_half(x) sin`, with the angle of pair `i`

@@ -58,6 +58,7 @@ STREAM_LOOKAHEAD = 3
 # can be cut there first, fast. `re`'s \s covers every character `regex`'s \s covers (the tests
 # check all of Unicode), so each cut it finds is one the pattern makes too.
 SPACE_BEFORE_WORD = re.compile(r" (?=\S)")
+WHITESPACE = regex.compile(r"\s")  # what the patterns' \s matches
 
 
 # --- the building blocks (the workbook's exercises) -----------------------------------------
@@ -352,20 +353,25 @@ class Tokenizer:
         Text waits until nothing that may follow can change its ids (`settled_length`): its
         last chunks ("hel" + "lo" is one chunk), and an end that could begin a special token
         ("<|endof" + "text|>"). Without a pattern, the text between special tokens is one
-        chunk, so its ids come at the next special token or at the end.
+        chunk, so its ids come at the next special token or at the end. Text that stays
+        unsettled is looked at again once it has doubled, so a long run costs linear time.
         """
-        held = ""
+        held, look_at = "", 0
         for index, piece in enumerate(iterable):
             held += validate.text(f"iterable[{index}]", piece, utf8=True)
+            if len(held) < look_at:
+                continue
             done = self.settled_length(held)
             yield from self.encode(held[:done])
-            held = held[done:]
+            held, look_at = held[done:], 0 if done else 2 * len(held)
         yield from self.encode(held)
 
     def settled_length(self, text: str) -> int:
         """The length of the longest start of `text` whose ids no continuation can change: the
         text up to the last special token that cannot grow into a longer one, then the chunks
-        that `STREAM_LOOKAHEAD` characters follow."""
+        that `STREAM_LOOKAHEAD` characters follow, up to the last that does not end in
+        whitespace (at the end of a text, a run of whitespace is one chunk: "\n\n" alone, but
+        "\n" + "\n" before a word)."""
         end, tail_start = self._before_partial_special(text), 0
         for match in self._special_split.finditer(text) if self._special_split else ():
             if match.start() >= end:
@@ -374,12 +380,13 @@ class Tokenizer:
                 end = match.start()
                 break
             tail_start = match.end()
-        tail, done = text[tail_start:end], 0
+        tail, done, settled = text[tail_start:end], 0, 0
         for chunk in split_chunks(tail, self._split):
             if done + len(chunk) > len(tail) - STREAM_LOOKAHEAD:
                 break
             done += len(chunk)
-        return tail_start + done
+            settled = settled if WHITESPACE.match(chunk[-1]) else done
+        return tail_start + settled
 
     def _before_partial_special(self, text: str) -> int:
         """Where the end of `text` starts to spell part of a special token (len(text) if not)."""

@@ -48,10 +48,18 @@ def positive_int(name: str, value: Any) -> int:
 
 
 def number(
-    name: str, value: Any, *, low: float = -math.inf, high: float = math.inf, low_open: bool = False
+    name: str,
+    value: Any,
+    *,
+    low: float = -math.inf,
+    high: float = math.inf,
+    low_open: bool = False,
+    finite: bool = True,
 ) -> float:
-    """A finite real number (not a bool) in [low, high], or (low, high] with `low_open`."""
-    ok = isinstance(value, Real) and not isinstance(value, bool) and math.isfinite(value)
+    """A real number (not a bool) in [low, high], or (low, high] with `low_open`: finite, or
+    also +inf with `finite=False` (never NaN)."""
+    ok = isinstance(value, Real) and not isinstance(value, bool)
+    ok = ok and (math.isfinite(value) or (not finite and value == math.inf))
     ok = ok and (value > low if low_open else value >= low) and value <= high
     if not ok:
         bounds = []
@@ -59,9 +67,20 @@ def number(
             bounds.append(f"{'>' if low_open else '>='} {low:g}")
         if high < math.inf:
             bounds.append(f"<= {high:g}")
-        wanted = " ".join(["a finite number", " and ".join(bounds)]).strip()
+        kind = "a finite number" if finite else "a number (inf allowed)"
+        wanted = " ".join([kind, " and ".join(bounds)]).strip()
         raise ValueError(f"{name}: expected {wanted}, got {value!r}")
     return float(value)
+
+
+def tensors(name: str, values: list) -> list[Tensor]:
+    """A list of tensors (the parameters of a model, say)."""
+    for index, value in enumerate(values):
+        if not isinstance(value, Tensor):
+            named = isinstance(value, tuple) and value  # from named_parameters(), say
+            got = type(value).__name__ + (f" ({value[0]!r}, ...)" if named else "")
+            raise TypeError(f"{name}[{index}]: expected a torch.Tensor, got {got}")
+    return values
 
 
 def probability(name: str, value: Any) -> float:
@@ -173,7 +192,8 @@ def token_tensor(
         with_cached = f" with the {cached} cached ones" if cached else ""
         raise ValueError(
             f"{name}: expected at most n_ctx={n_ctx} positions{with_cached}, got "
-            f"{cached + t.shape[1]} (shape {tuple(t.shape)}); keep the last n_ctx tokens"
+            f"{cached + t.shape[1]} (shape {tuple(t.shape)}); "
+            + ("start a new cache from the last tokens" if cached else "keep the last n_ctx tokens")
         )
     if t.numel() and not torch.compiler.is_compiling():
         low, high = torch.stack(torch.aminmax(t)).tolist()
@@ -182,6 +202,32 @@ def token_tensor(
                 f"{name}: expected ids in [0, d_vocab={d_vocab}), got ids from {low} to {high}"
             )
     return t
+
+
+def kv_cache(cache: Any, tokens: Any, n_layers: int, n_heads: int, d_head: int) -> int:
+    """A KV cache for `tokens`: None, or what the last call returned, a pair (keys, values) per
+    block, all of one shape `(batch, n_heads, pos, d_head)` with the batch of `tokens`. Returns
+    `pos`, the number of cached positions (0 for None)."""
+    if cache is None:
+        return 0
+    batch = tokens.shape[0] if isinstance(tokens, Tensor) and tokens.ndim else None
+    pairs = isinstance(cache, (list, tuple)) and len(cache) == n_layers
+    pairs = pairs and all(isinstance(p, (list, tuple)) and len(p) == 2 for p in cache)
+    given = pairs and all(isinstance(t, Tensor) for pair in cache for t in pair)
+    shapes = sorted({tuple(t.shape) for pair in cache for t in pair}) if given else []
+    if (
+        len(shapes) != 1
+        or len(shapes[0]) != 4
+        or shapes[0][1::2] != (n_heads, d_head)
+        or (batch is not None and shapes[0][0] != batch)
+    ):
+        wanted = f"(batch={batch or 'batch'}, n_heads={n_heads}, pos, d_head={d_head})"
+        got = f"shapes {shapes}" if given else f"{type(cache).__name__} {cache!r:.80}"
+        raise ValueError(
+            f"cache: expected None or, for each of the {n_layers} blocks, (keys, values) of one "
+            f"shape {wanted}, as the last call returned; got {got}"
+        )
+    return shapes[0][2]
 
 
 def token_id(name: str, value: Any, d_vocab: int) -> int:
@@ -199,8 +245,9 @@ def bool_mask(mask: Any, name: str = "mask") -> Tensor:
     return mask
 
 
-def last_dim(x: Any, d_model: int, name: str = "x") -> Tensor:
-    """A floating-point tensor whose last dimension is `d_model`."""
+def last_dim(x: Any, d_model: int, name: str = "x", dtype: torch.dtype | None = None) -> Tensor:
+    """A floating-point tensor whose last dimension is `d_model` and, given `dtype`, of the
+    weights' dtype (autocast casts for itself)."""
     if not isinstance(x, Tensor):
         raise TypeError(f"{name}: expected a torch.Tensor, got {type(x).__name__}")
     if x.ndim == 0 or x.shape[-1] != d_model:
@@ -210,6 +257,11 @@ def last_dim(x: Any, d_model: int, name: str = "x") -> Tensor:
         )
     if not x.is_floating_point():
         raise TypeError(f"{name}: expected a floating-point tensor, got dtype {x.dtype}")
+    if dtype is not None and x.dtype != dtype and not torch.is_autocast_enabled(x.device.type):
+        raise TypeError(
+            f"{name}: expected dtype {dtype} (the dtype of the weights), got {x.dtype}; "
+            "convert the input or the module with .to(dtype)"
+        )
     return x
 
 
@@ -271,10 +323,15 @@ def rope_input(x: Any, d_head: int | None = None) -> Tensor:
     return x
 
 
-def rope_positions(positions: Any, x: Tensor, n_ctx: int | None = None) -> Tensor:
+def rope_positions(positions: Any, x: Tensor, n_ctx: int | None = None, offset: int = 0) -> Tensor:
     """Integer `positions` `(..., pos)` that broadcast to the leading dims `(..., pos)` of `x`
     and, given `n_ctx`, lie in [0, n_ctx) (rows of a table; reading them costs a host
-    synchronisation, which compiled code skips)."""
+    synchronisation, which compiled code skips). They say where each token is, so an `offset`
+    as well would be ambiguous."""
+    if offset != 0:
+        raise ValueError(
+            f"offset: expected 0 when positions are given (they include it), got {offset!r}"
+        )
     if not isinstance(positions, Tensor) or positions.ndim == 0 or positions.dtype == torch.bool:
         got = type(positions).__name__
         if isinstance(positions, Tensor):
@@ -305,9 +362,10 @@ def attention_input(
 ) -> Tensor:
     """A `(batch, pos, d_model)` tensor of the weights' dtype (autocast casts for itself) and,
     given `batch`, of that batch size."""
-    if not isinstance(t, Tensor) or t.ndim != 3 or t.shape[-1] != d_model:
+    if not isinstance(t, Tensor) or t.ndim != 3 or t.shape[-1] != d_model or not t.shape[1]:
         got = f"shape {tuple(t.shape)}" if isinstance(t, Tensor) else type(t).__name__
-        raise ValueError(f"{name}: expected shape (batch, pos, d_model={d_model}), got {got}")
+        wanted = f"(batch, pos, d_model={d_model}) with pos >= 1"
+        raise ValueError(f"{name}: expected shape {wanted}, got {got}")
     if t.dtype != dtype and not torch.is_autocast_enabled(t.device.type):
         raise ValueError(
             f"{name}: expected dtype {dtype} (the dtype of the weights), got {t.dtype}; "

@@ -70,6 +70,12 @@ def expect_raises(name: str, hint: str, fn: Callable, *args: Any, errors=(Except
     expect(False, name, f"accepted, returning {describe(result)}.", hint)
 
 
+def expect_unchanged(name: str, given: Tensor, original: Tensor) -> None:
+    """The learner's function left the tensor it was `given` (a copy of `original`) as it was."""
+    hint = "compute a new tensor (x * y, not x.mul_(y) or x *= y): the caller still needs x."
+    expect(torch.equal(given, original), name, "it changed its input x in place.", hint)
+
+
 def describe(value: Any) -> str:
     """A short description of a value, for a message."""
     if isinstance(value, Tensor):
@@ -173,20 +179,16 @@ def expect_mask_not_inverted(name: str, pattern: Any, allowed: Tensor) -> None:
 
 
 def expect_hooks(name: str, module, reference, hints: dict[str, str], *args, atol=1e-8) -> None:
-    """What each hook point in `hints` receives, against the reference's: named by its hint."""
+    """What each hook point in `hints` receives, against the reference's: named by its hint.
+    Then each hook replaces its tensor: where the reference's output changes, so must theirs."""
     seen, expected = {}, {}
     for where, found, model in ((name, seen, module), ("reference", expected, reference)):
         points = dict(model.named_modules())
         for hook in hints:
             problem = f"expected a hook point `{hook}` (a HookPoint made in __init__)."
             expect(isinstance(points.get(hook), HookPoint), where, problem, "keep the hooks.")
-            points[hook].add_hook(lambda t, hook, key=hook, found=found: found.update({key: t}))
-        try:
-            with torch.no_grad():
-                call(f"{where}.forward", model, *args)
-        finally:
-            for hook in hints:
-                points[hook].remove_hooks()
+        record = {hook: lambda t, key=hook, found=found: found.update({key: t}) for hook in hints}
+        _run_with_hooks(where, model, record, args)
     for hook, hint in hints.items():
         where = f"{name}.{hook}"
         expect(hook in seen, where, "this hook point never received a tensor.", hint)
@@ -194,6 +196,29 @@ def expect_hooks(name: str, module, reference, hints: dict[str, str], *args, ato
         expect(got == shape, where, f"expected shape {shape}, got {got}.", hint)
         same = matches(seen[hook], expected[hook], atol=atol)
         expect(same, where, "received a tensor that differs from the reference's.", hint)
+    patch = lambda t: t * torch.linspace(0.5, 1.5, t.shape[-1], dtype=t.dtype)  # no norm undoes
+    plain = [_run_with_hooks(name, m, {}, args) for m in (module, reference)]
+    for hook in hints:
+        moved = [
+            not matches(_run_with_hooks(name, m, {hook: patch}, args), out, atol=1e-9)
+            for m, out in zip((module, reference), plain)
+        ]
+        where, problem = f"{name}, a hook on {hook} that replaces its tensor", "no effect."
+        hint = f"use what self.{hook}(...) returns: a hook may replace the tensor it is given."
+        expect(moved[0] or not moved[1], where, problem, hint)
+
+
+def _run_with_hooks(name: str, model, hooks: dict[str, Callable], args: tuple):
+    """`model(*args)` without gradients, each hook point `hooks` names running its function."""
+    points = dict(model.named_modules())
+    for hook, fn in hooks.items():
+        points[hook].add_hook(lambda t, hook, fn=fn: fn(t))
+    try:
+        with torch.no_grad():
+            return call(f"{name}.forward", model, *args)
+    finally:
+        for hook in hooks:
+            points[hook].remove_hooks()
 
 
 def seeded(seed: int) -> torch.Generator:

@@ -21,6 +21,7 @@ from transformer_course.checks.harness import (
     expect,
     expect_close,
     expect_hooks,
+    expect_unchanged,
     load_reference_weights,
     matches,
     passed,
@@ -165,7 +166,10 @@ def check_rotate_pairs(fn: Callable) -> None:
     expected = torch.view_as_real(pairs * torch.polar(torch.ones_like(angles), angles)).flatten(-2)
     wrong = {h: _turn(x, cos, sin, **k) for h, k in PAIR_MISTAKES.items()}
     hint = "pair i, (a, b) = (x[2i], x[2i+1]), becomes (a cos - b sin, a sin + b cos)."
-    expect_close(call(name, fn, x, cos, sin), expected, name, hint, atol=1e-10, mistakes=wrong)
+    given = x.clone()
+    actual = call(name, fn, given, cos, sin)
+    expect_close(actual, expected, name, hint, atol=1e-10, rtol=1e-10, mistakes=wrong)
+    expect_unchanged(name, given, x)
     for dtype in (torch.bfloat16, torch.float16):
         where, y = f"{name} ({str(dtype)[6:]} x, float32 cos and sin)", x.to(dtype)
         actual, hint = call(where, fn, y, cos.float(), sin.float()), "compute in float32 "
@@ -180,8 +184,22 @@ def check_rotary_embedding(cls: type) -> None:
     not_offset = "positions not offset under a KV cache: without `positions`, x sits at "
     not_offset += "positions offset, offset + 1, ...: the rows self.cos[offset : offset + pos]."
     ignored = "explicit positions ignored: rotate by self.cos[positions], self.sin[positions]."
+    one_off = "off by one: the first of the pos rows is self.cos[offset], position 0 at offset 0."
     name, theta, x = "RotaryEmbedding", 500.0, randn(2, 3, 6, 8, seed=1)
     module = call(f"{name}.__init__", cls, 8, 32, theta).double()  # its tables stay float32
+    given, arange = torch.tensor([4, 0, 9, 2, 2, 7]), torch.arange(6)
+    for label, kwargs, hint in [
+        ("x", {}, "rotate_pairs(x, ...) with the rows self.cos[:pos], self.sin[:pos]."),
+        ("x, offset=5", {"offset": 5}, not_offset),
+        (f"x, positions={given.tolist()}", {"positions": given}, ignored),
+        ("x, positions (2, 1, 6)", {"positions": given + torch.arange(2)[:, None, None]}, ignored),
+    ]:
+        positions = kwargs.get("positions", arange + kwargs.get("offset", 0))
+        wrong = {one_off: rope.apply_rope(x, positions + 1, theta)}
+        wrong |= {hint: rope.apply_rope(x, arange, theta)} if kwargs else {}
+        where, expected = f"{name}.forward({label})", rope.apply_rope(x, positions, theta)
+        actual = call(where, module, x, **kwargs)
+        expect_close(actual, expected, where, hint, atol=1e-6, mistakes=wrong)
     q, k = randn(2, 2, 10, 8, seed=2).unbind(0)
     scores = lambda m, n: call(name, module, q, offset=m) @ call(name, module, k, offset=n).mT
     base, where = scores(0, 0).detach(), f"{name}(q at positions m.., k at n..)"
@@ -190,17 +208,14 @@ def check_rotary_embedding(cls: type) -> None:
     expect_close(scores(7, 7), base, f"{where}, m = n = 7", relative, atol=atol)
     moved = matches(scores(3, 0), base, atol)
     expect(not moved, f"{where}, m = 3, n = 0", "the scores did not change.", not_offset)
-    given, arange = torch.tensor([4, 0, 9, 2, 2, 7]), torch.arange(6)
-    for label, kwargs, hint in [
-        ("x", {}, ""),
-        ("x, offset=5", {"offset": 5}, not_offset),
-        (f"x, positions={given.tolist()}", {"positions": given}, ignored),
-        ("x, positions (2, 1, 6)", {"positions": given + torch.arange(2)[:, None, None]}, ignored),
-    ]:
-        where, wrong = f"{name}.forward({label})", {hint: rope.apply_rope(x, arange, theta)}
-        positions = kwargs.get("positions", arange + kwargs.get("offset", 0))
-        expected, actual = rope.apply_rope(x, positions, theta), call(where, module, x, **kwargs)
-        expect_close(actual, expected, where, hint, atol=1e-6, mistakes=wrong if kwargs else {})
+    where, last = f"{name}(n_ctx=32).forward(x of one position, offset=32)", x[..., :1, :]
+    hint = "the tables end at position n_ctx - 1: refuse offset + pos > n_ctx with a ValueError."
+    try:  # refused, as the hint asks, or rotated right without the tables
+        beyond = module(last, offset=32)
+    except Exception:
+        beyond = rope.apply_rope(last, torch.tensor([32]), theta)
+    expect(shape_of(beyond) == last.shape, where, f"returned {describe(beyond)}.", hint)
+    expect_close(beyond, rope.apply_rope(last, torch.tensor([32]), theta), where, hint, atol=1e-6)
     passed(name)
 
 
@@ -213,8 +228,10 @@ def check_silu(fn: Callable) -> None:
     }
     name, x = "silu", torch.linspace(-30, 30, 240, dtype=torch.float64).reshape(2, 3, 40)
     hint = "x * torch.sigmoid(x): sigmoid stays finite where exp(-x) overflows."
-    wrong = {h: f(x) for h, f in mistakes.items()}
-    expect_close(call(name, fn, x), F.silu(x), name, hint, atol=1e-12, mistakes=wrong)
+    wrong, given = {h: f(x) for h, f in mistakes.items()}, x.clone()
+    actual = call(name, fn, given)
+    expect_close(actual, F.silu(x), name, hint, atol=1e-12, rtol=1e-12, mistakes=wrong)
+    expect_unchanged(name, given, x)
     for dtype in (torch.float32, torch.bfloat16):
         where, y = f"{name} ({str(dtype)[6:]} x from -120 to 120)", (4 * x).to(dtype)
         actual = call(where, fn, y)
@@ -234,7 +251,10 @@ def check_swiglu(cls: type) -> None:
     gate, linear = x @ W["W_gate"], x @ W["W_in"]
     wrong = {h: f(gate, linear) @ W["W_out"] for h, f in SWIGLU_MISTAKES.items()}
     expected, hint = (F.silu(gate) * linear) @ W["W_out"], "W_out(silu(x W_gate) * (x W_in))."
-    expect_close(call(name, mlp, x), expected, name, hint, atol=1e-10, mistakes=wrong)
+    expect_close(call(name, mlp, x), expected, name, hint, atol=1e-10, rtol=1e-10, mistakes=wrong)
+    where, hint = f"{name}(x of shape (5, {CFG.d_model}))", "'...' for any leading dims of x."
+    actual = call(where, mlp, x[0], hint=hint)
+    expect_close(actual, expected[0], where, hint, atol=1e-10, rtol=1e-10)
     expect_hooks(name, mlp, reference, SWIGLU_HOOKS, x)
     passed(name)
 
@@ -264,12 +284,16 @@ def check_grouped_query_attention(cls: type) -> None:
         for fast in (False, True):
             module.fast_path, at = fast, f"{where}, fast_path={fast}"
             expect_close(call(at, module, x), expected, at, GQA_HINT, atol=1e-8, mistakes=wrong)
-            cache, at = LayerCache(), f"{at}, through a KV cache in 4 calls"
+            (cache, ours), at = (LayerCache(), LayerCache()), f"{at}, through a KV cache in 4 calls"
             out = torch.cat([call(at, module, x[:, a:b], cache=cache) for a, b in CUTS], dim=1)
             expect_close(out, expected, at, CACHE_HINT, atol=1e-8, mistakes=wrong_start)
             shape, got = (2, n_kv_heads, 7, 6), shape_of(cache.k)
             hint = "extend the cache before repeating the KV heads: it keeps n_kv_heads of them."
             expect(got == shape, at, f"the cached keys are {got}; expected {shape}.", hint)
+            with torch.no_grad():
+                [reference(x[:, a:b], cache=ours) for a, b in CUTS]
+            hint = "cache the keys after RoPE, each turned once at its own position."
+            expect_close(cache.k, ours.k, f"{at}, the cached keys", hint, atol=1e-8)
         module.fast_path = False
         expect_hooks(where, module, reference, GQA_HOOKS, x)
     passed(name)
@@ -364,7 +388,7 @@ def check_cross_entropy(fn: Callable) -> None:
     ours = lambda logits, targets: F.cross_entropy(logits.flatten(0, -2), targets.flatten())
     wrong = {h: _xent(logits, targets, **k) for h, k in XENT_MISTAKES.items()}
     loss, hint = call(where, fn, logits, targets), "the mean of logsumexp(x) - x[target]."
-    expect_close(loss, ours(logits, targets), where, hint, atol=1e-10, mistakes=wrong)
+    expect_close(loss, ours(logits, targets), where, hint, atol=1e-10, rtol=1e-10, mistakes=wrong)
     keep = "build the loss from logits with torch operations (no .item(), no .detach())."
     call(f"{where}.backward()", loss.backward, hint=keep)
     theirs = logits.detach().clone().requires_grad_()
@@ -411,7 +435,7 @@ def check_clip_grad_norm(fn: Callable) -> None:
         wrong = {h: _clip(grads, max_norm, **k) for h, k in CLIP_MISTAKES.items()}
         where, actual = f"{where}: the norm, then the gradients", flat(norm, ours[:count][:2])
         expected = flat(expected, theirs[:count][:2])
-        expect_close(actual, expected, where, CLIP_HINT, atol=1e-10, mistakes=wrong)
+        expect_close(actual, expected, where, CLIP_HINT, atol=1e-10, rtol=1e-10, mistakes=wrong)
     passed("clip_grad_norm")
 
 
@@ -453,4 +477,30 @@ def check_adamw(cls: type) -> None:
         wrong = {h: _adamw(START, GRADS, lrs, **hyper, **k) for h, k in ADAMW_MISTAKES.items()}
         where += ", group['lr'] changed every step: the parameters after each step"
         expect_close(actual, expected, where, ADAMW_HINT, atol=1e-10, rtol=1e-10, mistakes=wrong)
+    where = "AdamW with two parameter groups, each with its own betas, eps and weight_decay"
+    expected = _two_groups(where, torch.optim.AdamW)
+    hint = "read lr, betas, eps and weight_decay from the group: group['betas'], not self.defaults."
+    expect_close(_two_groups(where, cls), expected, where, hint, atol=1e-10, rtol=1e-10)
+    where += ", saved with state_dict() half-way and loaded into a new AdamW"
+    hint = "keep each parameter's step count and running means in self.state[param], which "
+    hint += "state_dict() saves and load_state_dict() restores."
+    actual = _two_groups(where, cls, resume_at=STEPS // 2)
+    expect_close(actual, expected, where, hint, atol=1e-10, rtol=1e-10)
     passed("AdamW")
+
+
+def _two_groups(where: str, make: Callable, resume_at: int | None = None) -> Tensor:
+    """The parameters after every step with two groups' settings; optionally a new optimizer
+    loaded from the old one's `state_dict()` at step `resume_at`."""
+    params = [torch.nn.Parameter(t.clone()) for t in (START[:12], START[12:])]
+    settings = [dict(betas=(0.8, 0.95), eps=1e-3, weight_decay=0.5), dict(weight_decay=0.0)]
+    groups = [dict(params=[p], lr=0.1, **s) for p, s in zip(params, settings)]
+    new = lambda: call(f"{where}.__init__", make, groups, betas=(0.5, 0.9), eps=1e-2)
+    optimizer = new()
+    for step, grad in enumerate(GRADS):
+        if step == resume_at:
+            state, optimizer = optimizer.state_dict(), new()
+            call(f"{where}.load_state_dict", optimizer.load_state_dict, state)
+        params[0].grad, params[1].grad = grad[:12].clone(), grad[12:].clone()
+        call(f"{where}.step", optimizer.step)
+    return torch.cat([param.detach() for param in params])
