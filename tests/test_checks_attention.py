@@ -188,7 +188,8 @@ class BuggyMHA(MultiHeadAttention):
         if causal and self.bug != "ignore_causal":
             allowed = causal_mask(x.shape[1], k.shape[1])
             mask = allowed if mask is None else allowed & mask
-        fused = self.fast_path if self.bug in ("", "tl_style", "ignore_cache") else False
+        honours_fast_path = ("", "tl_style", "ignore_cache", "pattern_hook_discarded")
+        fused = self.fast_path if self.bug in honours_fast_path else False
         if self.bug == "always_fused" or fused:
             heads = (einops.rearrange(t, "b p h d -> b h p d") for t in (q, k, v))
             z = F.scaled_dot_product_attention(*heads, attn_mask=mask)
@@ -212,7 +213,8 @@ class BuggyMHA(MultiHeadAttention):
             pattern = pattern.nan_to_num(0.0)
         elif mask is not None and self.bug != "minus_inf":
             pattern = pattern.masked_fill(forbidden, 0.0)
-        pattern = self.hook_pattern(scores if self.bug == "pattern_hook_gets_scores" else pattern)
+        hooked = self.hook_pattern(scores if self.bug == "pattern_hook_gets_scores" else pattern)
+        pattern = pattern if self.bug == "pattern_hook_discarded" else hooked
         z = self.hook_z(einops.einsum(pattern, v, "b h q k, b k h d -> b q h d"))
         order = "b q h d -> b q (d h)" if self.bug == "concat_order" else "b q h d -> b q (h d)"
         out = einops.rearrange(z, order) @ einops.rearrange(self.W_O, "h d m -> (h d) m")
@@ -244,6 +246,7 @@ def test_mha_valid_alternatives_pass(variant):
         ("mask_none_crash", "defaults to None"),
         ("pattern_hook_gets_scores", "belongs at `hook_attn_scores`"),
         ("hook_q_before_bias", "b_Q"),
+        ("pattern_hook_discarded", "use what self.hook_pattern(...) returns"),
     ],
 )
 def test_mha_bugs(bug, word):

@@ -17,6 +17,7 @@ from transformer_course.checks.harness import (
     expect,
     expect_cached,
     expect_close,
+    expect_hooks_used,
     expect_mask_not_inverted,
     expect_no_known_mistake,
     matches,
@@ -231,7 +232,8 @@ def check_multi_head_attention(cls: type) -> None:
         _expect_forward(name, module, reference, fast)
         module.fast_path, where = fast, f"{name}(x, causal=True, cache=...), fast_path={fast}"
         expect_cached(where, module, reference, x, [3, 4], CACHE_HINT, causal=True)
-    module.fast_path = False
+    module.fast_path, where = False, f"{name}(x, mask=causal_mask(7)), fast_path=False"
+    expect_hooks_used(where, module, reference, HOOK_HINTS, x, None, causal_mask(7))
     (_, args, kwargs), where = _forward_cases()[1], f"{name}(bias=False)"
     module = call(where, cls, 16, 4, bias=False).double()
     reference = attention.MultiHeadAttention(16, 4, bias=False).double()

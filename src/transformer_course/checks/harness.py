@@ -179,8 +179,8 @@ def expect_mask_not_inverted(name: str, pattern: Any, allowed: Tensor) -> None:
 
 
 def expect_hooks(name: str, module, reference, hints: dict[str, str], *args, atol=1e-8) -> None:
-    """What each hook point in `hints` receives, against the reference's: named by its hint.
-    Then each hook replaces its tensor: where the reference's output changes, so must theirs."""
+    """What each hook point in `hints` receives, against the reference's: named by its hint;
+    then that what each hook returns is used (`expect_hooks_used`)."""
     seen, expected = {}, {}
     for where, found, model in ((name, seen, module), ("reference", expected, reference)):
         points = dict(model.named_modules())
@@ -196,9 +196,15 @@ def expect_hooks(name: str, module, reference, hints: dict[str, str], *args, ato
         expect(got == shape, where, f"expected shape {shape}, got {got}.", hint)
         same = matches(seen[hook], expected[hook], atol=atol)
         expect(same, where, "received a tensor that differs from the reference's.", hint)
+    expect_hooks_used(name, module, reference, hints, *args)
+
+
+def expect_hooks_used(name: str, module, reference, hooks, *args) -> None:
+    """Each hook point in `hooks` replaces its tensor: where the reference's output changes,
+    so must the learner's (a hook's return value is what flows on, as in TransformerLens)."""
     patch = lambda t: t * torch.linspace(0.5, 1.5, t.shape[-1], dtype=t.dtype)  # no norm undoes
     plain = [_run_with_hooks(name, m, {}, args) for m in (module, reference)]
-    for hook in hints:
+    for hook in hooks:
         moved = [
             not matches(_run_with_hooks(name, m, {hook: patch}, args), out, atol=1e-9)
             for m, out in zip((module, reference), plain)
