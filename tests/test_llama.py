@@ -320,7 +320,7 @@ def test_rope_refuses_what_it_cannot_do_and_indexes_small_int_positions():
 
 
 def test_layers_name_what_is_wrong_with_their_input():
-    with pytest.raises(TypeError, match="x: expected dtype torch.float32 .* got torch.float64"):
+    with pytest.raises(ValueError, match="x: expected dtype torch.float32 .* got torch.float64"):
         SwiGLU(8, 12)(torch.randn(3, 8, dtype=torch.float64))
     with pytest.raises(ValueError, match=r"x: expected shape .* pos >= 1, got shape \(1, 0, 16\)"):
         GroupedQueryAttention(16, 4, 2, n_ctx=8)(torch.randn(1, 0, 16))

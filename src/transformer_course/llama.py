@@ -140,7 +140,7 @@ class LlamaConfig:
             rope_theta=rope.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0)),
             norm_eps=hf_config.rms_norm_eps,
             tie_embeddings=bool(hf_config.tie_word_embeddings),
-            init_range=hf_config.initializer_range or 0.02,  # 0: unset, and not used to load
+            init_range=hf_config.initializer_range or cls.init_range,  # 0: unset; not for loading
         )
 
 

@@ -246,8 +246,8 @@ def bool_mask(mask: Any, name: str = "mask") -> Tensor:
 
 
 def last_dim(x: Any, d_model: int, name: str = "x", dtype: torch.dtype | None = None) -> Tensor:
-    """A floating-point tensor whose last dimension is `d_model` and, given `dtype`, of the
-    weights' dtype (autocast casts for itself)."""
+    """A floating-point tensor whose last dimension is `d_model` and, given `dtype`, of that
+    dtype (`weights_dtype`)."""
     if not isinstance(x, Tensor):
         raise TypeError(f"{name}: expected a torch.Tensor, got {type(x).__name__}")
     if x.ndim == 0 or x.shape[-1] != d_model:
@@ -257,12 +257,18 @@ def last_dim(x: Any, d_model: int, name: str = "x", dtype: torch.dtype | None = 
         )
     if not x.is_floating_point():
         raise TypeError(f"{name}: expected a floating-point tensor, got dtype {x.dtype}")
-    if dtype is not None and x.dtype != dtype and not torch.is_autocast_enabled(x.device.type):
-        raise TypeError(
-            f"{name}: expected dtype {dtype} (the dtype of the weights), got {x.dtype}; "
+    if dtype is not None:
+        weights_dtype(name, x, dtype)
+    return x
+
+
+def weights_dtype(name: str, t: Tensor, dtype: torch.dtype) -> None:
+    """A layer's input `t` in its weights' `dtype` (autocast casts for itself)."""
+    if t.dtype != dtype and not torch.is_autocast_enabled(t.device.type):
+        raise ValueError(
+            f"{name}: expected dtype {dtype} (the dtype of the weights), got {t.dtype}; "
             "convert the input or the module with .to(dtype)"
         )
-    return x
 
 
 def integer_tensor(name: str, t: Any, dims: tuple[str, ...]) -> Tensor:
@@ -366,11 +372,7 @@ def attention_input(
         got = f"shape {tuple(t.shape)}" if isinstance(t, Tensor) else type(t).__name__
         wanted = f"(batch, pos, d_model={d_model}) with pos >= 1"
         raise ValueError(f"{name}: expected shape {wanted}, got {got}")
-    if t.dtype != dtype and not torch.is_autocast_enabled(t.device.type):
-        raise ValueError(
-            f"{name}: expected dtype {dtype} (the dtype of the weights), got {t.dtype}; "
-            "convert the input or the module with .to(dtype)"
-        )
+    weights_dtype(name, t, dtype)
     if batch is not None and t.shape[0] != batch:
         raise ValueError(
             f"{name}: expected batch size {batch} (the batch size of x), got {t.shape[0]}"
