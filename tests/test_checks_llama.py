@@ -309,7 +309,7 @@ class BuggyGQA(llama.GroupedQueryAttention):
         elif cache is not None:
             k, v = cache.extend(k, v)
         mask = causal_mask(q.shape[-2], k.shape[-2])
-        if self.fast_path and not bug:
+        if self.fast_path and bug != "fast path ignored":
             z = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
         else:
             order = "(group kv)" if bug == "wrong order" else "(kv group)"
@@ -341,6 +341,7 @@ def test_gqa_alternative_passes(capsys):
         ("unscaled", ["sqrt(d_head)"]),
         ("repeated before the cache", ["cached keys", "keeps n_kv_heads"]),
         ("unrotated cache", ["the cached keys", "after RoPE"]),
+        ("fast path ignored", ["fast_path=True", "hook_pattern ran", "_attend_fused"]),
     ],
 )
 def test_gqa_mistakes_are_named(bug, words):

@@ -186,6 +186,12 @@ def test_config_from_huggingface_refuses_what_the_model_does_not_have(overrides,
         LlamaConfig.from_huggingface(HFLlamaConfig(**{**SMALL, **overrides}))
 
 
+def test_config_from_huggingface_reads_swish_as_silu():
+    """Hugging Face maps hidden_act "swish" to the same SiLU."""
+    swish = LlamaConfig.from_huggingface(HFLlamaConfig(**SMALL, hidden_act="swish"))
+    assert swish == LlamaConfig.from_huggingface(HFLlamaConfig(**SMALL))
+
+
 # --- the model against Hugging Face ----------------------------------------------------------
 
 
@@ -317,6 +323,11 @@ def test_rope_refuses_what_it_cannot_do_and_indexes_small_int_positions():
         rotary(x, positions, offset=3)
     with pytest.raises(ValueError, match="d_head"):
         rotate_half(torch.arange(5.0))
+    with pytest.raises(ValueError, match=r"d_head \(the last dim of x\).* got 5"):
+        rotate_pairs(torch.ones(2, 5), torch.ones(2, 2), torch.ones(2, 2))
+    for positions in ([0, 1, 2], torch.tensor(3), torch.arange(3.0), torch.ones(3, dtype=bool)):
+        with pytest.raises(ValueError, match="positions: expected an integer"):
+            rope_angles(positions, 8)
 
 
 def test_layers_name_what_is_wrong_with_their_input():

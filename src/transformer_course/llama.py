@@ -121,8 +121,9 @@ class LlamaConfig:
         for option in NOT_LLAMA:
             if getattr(hf_config, option, False):
                 raise ValueError(f"hf_config.{option}: expected False (as in Llama), got True")
-        if hf_config.hidden_act != "silu":
-            raise ValueError(f"hf_config.hidden_act: expected 'silu', got {hf_config.hidden_act!r}")
+        if hf_config.hidden_act not in ("silu", "swish"):  # one function, two names
+            act = hf_config.hidden_act
+            raise ValueError(f"hf_config.hidden_act: expected 'silu' (or 'swish'), got {act!r}")
         rope = dict(getattr(hf_config, "rope_parameters", None) or {})  # transformers 5
         rope = {**(getattr(hf_config, "rope_scaling", None) or {}), **rope}  # transformers 4
         rope_type = rope.get("rope_type", rope.get("type", "default"))

@@ -50,6 +50,7 @@ def rope_angles(
 
     Course: chapter 7, exercise 7.1, checked by checks.llama.check_rope_angles.
     """
+    validate.integer_positions(positions)
     validate.even("d_head", d_head, "RoPE rotates pairs of dims")
     validate.number("theta", theta, low=0, low_open=True)
     device = positions.device
@@ -67,6 +68,7 @@ def rotate_pairs(
 
     Course: chapter 7, exercise 7.2, checked by checks.llama.check_rotate_pairs.
     """
+    validate.rope_input(x)
     pairs = einops.rearrange(upcast(x), "... (half two) -> ... half two", two=2)
     a, b = pairs[..., 0], pairs[..., 1]
     rotated = torch.stack((a * cos - b * sin, a * sin + b * cos), dim=-1)

@@ -329,6 +329,18 @@ def rope_input(x: Any, d_head: int | None = None) -> Tensor:
     return x
 
 
+def integer_positions(positions: Any) -> Tensor:
+    """Positions `(..., pos)`: a tensor of an integer dtype (not bool) with at least one dim."""
+    if not isinstance(positions, Tensor) or positions.ndim == 0 or positions.dtype == torch.bool:
+        got = type(positions).__name__
+        if isinstance(positions, Tensor):
+            got = f"a {positions.dtype} tensor of shape {tuple(positions.shape)}"
+        raise ValueError(f"positions: expected an integer tensor (..., pos), got {got}")
+    if positions.is_floating_point() or positions.is_complex():
+        raise ValueError(f"positions: expected an integer dtype, got {positions.dtype}")
+    return positions
+
+
 def rope_positions(positions: Any, x: Tensor, n_ctx: int | None = None, offset: int = 0) -> Tensor:
     """Integer `positions` `(..., pos)` that broadcast to the leading dims `(..., pos)` of `x`
     and, given `n_ctx`, lie in [0, n_ctx) (rows of a table; reading them costs a host
@@ -338,13 +350,7 @@ def rope_positions(positions: Any, x: Tensor, n_ctx: int | None = None, offset: 
         raise ValueError(
             f"offset: expected 0 when positions are given (they include it), got {offset!r}"
         )
-    if not isinstance(positions, Tensor) or positions.ndim == 0 or positions.dtype == torch.bool:
-        got = type(positions).__name__
-        if isinstance(positions, Tensor):
-            got = f"a {positions.dtype} tensor of shape {tuple(positions.shape)}"
-        raise ValueError(f"positions: expected an integer tensor (..., pos), got {got}")
-    if positions.is_floating_point() or positions.is_complex():
-        raise ValueError(f"positions: expected an integer dtype, got {positions.dtype}")
+    integer_positions(positions)
     try:
         fits = torch.broadcast_shapes(positions.shape, x.shape[:-1]) == x.shape[:-1]
     except RuntimeError:

@@ -81,6 +81,8 @@ CACHE_HINT = "rotate the new q and k at positions start, start + 1, ... (start: 
 CACHE_HINT += "k, v = cache.extend(k, v), then attend with a causal mask (q_pos, k_pos)."
 START_HINT = "positions not offset under a KV cache: the new tokens come after the cached ones, "
 START_HINT += "self._rotate(t, start) with start = cache.k.shape[-2] once the cache holds keys."
+FUSED_HINT = "self.fast_path picks the path: self._attend_fused(q, k, v) when it is set, else "
+FUSED_HINT += "self._attend(q, k, v), whose pattern passes hook_pattern."
 GQA_HOOKS = {
     "hook_q": "pass x W_Q, before RoPE, (batch, pos, head, d_head), through self.hook_q.",
     "hook_k": "pass x W_K, before RoPE, with n_kv_heads heads, through self.hook_k.",
@@ -285,6 +287,9 @@ def check_grouped_query_attention(cls: type) -> None:
         for fast in (False, True):
             module.fast_path, at = fast, f"{where}, fast_path={fast}"
             expect_close(call(at, module, x), expected, at, GQA_HINT, atol=1e-8, mistakes=wrong)
+            hooked = "hook_pattern" in call(at, module.run_with_cache, x)[1]
+            problem = f"hook_pattern {'ran' if hooked else 'did not run'}."
+            expect(hooked != fast, at, problem, FUSED_HINT)
             (cache, ours), at = (LayerCache(), LayerCache()), f"{at}, through a KV cache in 4 calls"
             out = torch.cat([call(at, module, x[:, a:b], cache=cache) for a, b in CUTS], dim=1)
             expect_close(out, expected, at, CACHE_HINT, atol=1e-8, mistakes=wrong_start)
