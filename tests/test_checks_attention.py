@@ -213,7 +213,11 @@ class BuggyMHA(MultiHeadAttention):
             pattern = pattern.nan_to_num(0.0)
         elif mask is not None and self.bug != "minus_inf":
             pattern = pattern.masked_fill(forbidden, 0.0)
-        hooked = self.hook_pattern(scores if self.bug == "pattern_hook_gets_scores" else pattern)
+        seen = scores if self.bug == "pattern_hook_gets_scores" else pattern
+        if self.bug == "pattern_heads_last":  # the hook gets (batch, q_pos, head, k_pos)
+            hooked = self.hook_pattern(seen.transpose(1, 2)).transpose(1, 2)
+        else:
+            hooked = self.hook_pattern(seen)
         pattern = pattern if self.bug == "pattern_hook_discarded" else hooked
         z = self.hook_z(einops.einsum(pattern, v, "b h q k, b k h d -> b q h d"))
         order = "b q h d -> b q (d h)" if self.bug == "concat_order" else "b q h d -> b q (h d)"
@@ -247,6 +251,7 @@ def test_mha_valid_alternatives_pass(variant):
         ("pattern_hook_gets_scores", "belongs at `hook_attn_scores`"),
         ("hook_q_before_bias", "b_Q"),
         ("pattern_hook_discarded", "use what self.hook_pattern(...) returns"),
+        ("pattern_heads_last", "hook_pattern`: expected shape (2, 4, 6, 6), got (2, 6, 4, 6)"),
     ],
 )
 def test_mha_bugs(bug, word):

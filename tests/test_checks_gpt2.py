@@ -16,6 +16,7 @@ from torch import nn
 
 from transformer_course.attention import scaled_dot_product_attention
 from transformer_course.checks.gpt2 import (
+    check_against_huggingface,
     check_cosine_lr,
     check_embed,
     check_estimate_loss,
@@ -597,6 +598,15 @@ def test_kv_cache_bugs_are_named(knob, words):
     fails(check_kv_cache, cached_forward(**knob), *words)
 
 
+def test_kv_cache_with_an_unnamed_bug_says_which_call_and_position():
+    def off_with_a_cache(model, tokens, cache=None):
+        logits, longer = forward_with_cache(model, tokens, cache)
+        return (logits if cache is None else logits + 1e-3), longer
+
+    where = "position 5, in the call with 1 new token after 5 cached ones"
+    fails(check_kv_cache, off_with_a_cache, where, "as in model(tokens)")
+
+
 def test_kv_cache_that_returns_the_old_cache_is_caught():
     def keeps_old(model, tokens, cache=None):
         logits, longer = forward_with_cache(model, tokens, cache)
@@ -608,10 +618,10 @@ def test_kv_cache_that_returns_the_old_cache_is_caught():
 # Hugging Face's weights.
 
 
-def _convert(*, transpose=False, order="QKV", heads="(head d)", drop=()):
+def _convert(*, transpose=False, order="QKV", heads="(head d)", drop=(), copied=""):
     """A conversion written out as a learner would, with one thing wrong at a time: Conv1D
-    weights transposed, c_attn's thirds in another `order`, the heads split as `heads`, and the
-    keys whose names contain one of `drop` left out."""
+    weights transposed, c_attn's thirds in another `order`, the heads split as `heads`, the
+    keys whose names contain one of `drop` left out, and `copied` "KQ": K's taken from Q's."""
 
     def convert(hf, *, n_layers, n_heads):
         conv = (lambda w: w.T) if transpose else (lambda w: w)
@@ -628,6 +638,8 @@ def _convert(*, transpose=False, order="QKV", heads="(head d)", drop=()):
             src, dst = f"transformer.h.{i}.", f"blocks.{i}."
             weights = dict(zip(order, map(conv, hf[src + "attn.c_attn.weight"].chunk(3, dim=1))))
             biases = dict(zip(order, hf[src + "attn.c_attn.bias"].chunk(3)))
+            for part in (weights, biases) if copied else ():
+                part[copied[0]] = part[copied[1]]
             for x in "QKV":
                 state[f"{dst}attn.W_{x}"] = split(weights[x], "m H -> head m d")
                 state[f"{dst}attn.b_{x}"] = split(biases[x], "H -> head d")
@@ -656,6 +668,8 @@ def test_weight_conversion_reference_and_a_written_out_one_pass(capsys):
         ({"transpose": True}, ["W_Q", "don't transpose"]),
         ({"order": "KQV"}, ["`W_Q` holds c_attn's K part", "[Q | K | V]"]),
         ({"order": "QVK"}, ["`W_K` holds c_attn's V part"]),
+        ({"copied": "KQ"}, ["`W_K` holds c_attn's Q part"]),
+        ({"order": "VKQ"}, ["`W_Q` holds c_attn's V part"]),
         ({"heads": "(d head)"}, ["W_Q", "(head d_head), heads outermost"]),
         ({"drop": ("attn.b_", "mlp.b_")}, ["missing", "every bias counts"]),
         ({"drop": (".ln",)}, ["missing", "layer norms have gains and biases"]),
@@ -885,3 +899,42 @@ def test_train_loop_that_drops_grad_clip_is_named():
 
 def test_train_loop_that_evaluates_in_train_mode_is_named():
     fails(check_train_loop, _loop(eval_mode=False), "evaluated in train mode", "evaluating(model)")
+
+
+def test_train_loop_history_that_is_not_numbers_is_named():
+    def rates_not_kept(*args, **kwargs):
+        history = train_loop(*args, **kwargs)
+        history.lr = [None] * len(history.lr)
+        return history
+
+    fails(check_train_loop, rates_not_kept, "History.lr", "[None, None")
+
+
+# The model and its stages against Hugging Face's.
+
+
+def test_gpt2_whose_parts_are_named_otherwise_is_told_the_names():
+    class Renamed(GPT2):
+        def __init__(self, cfg):
+            super().__init__(cfg)
+            self.final_norm = self.ln_final
+            del self.ln_final
+
+    fails(check_gpt2_forward, Renamed, "reference weights do not load", "ln_final")
+
+
+def test_against_huggingface_passes_a_converted_model_and_names_the_stage_that_differs(capsys):
+    from transformers import GPT2Config as HFConfig
+    from transformers import GPT2LMHeadModel
+
+    sizes = dict(n_layer=3, n_head=2, n_embd=16, n_positions=10, vocab_size=29)
+    torch.manual_seed(0)
+    hf = GPT2LMHeadModel(HFConfig(**sizes, bos_token_id=0, eos_token_id=0))
+    tokens = torch.randint(29, (2, 10), generator=torch.Generator().manual_seed(1))
+    model = GPT2.from_huggingface(hf)
+    check_against_huggingface(model, hf, tokens)
+    assert "block 1" in capsys.readouterr().out
+    with torch.no_grad():
+        model.blocks[1].mlp.b_out += 0.1
+    against = lambda model: check_against_huggingface(model, hf, tokens)
+    fails(against, model, "block 1", "differs by up to 0.1", "TransformerBlock")

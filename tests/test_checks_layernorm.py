@@ -254,6 +254,15 @@ LAYERNORM_BUGS = {
         ),
         "eps inside the square root",
     ),
+    "w and b swapped": (
+        lambda self, x: (
+            (x - x.mean(-1, keepdim=True))
+            / (x.var(-1, keepdim=True, unbiased=False) + self.eps).sqrt()
+            * self.b
+            + self.w
+        ),
+        "w and b are swapped",
+    ),
 }
 
 
@@ -290,6 +299,14 @@ RMSNORM_BUGS = {
     "no eps at all": (
         lambda self, x: x / x.pow(2).mean(-1, keepdim=True).sqrt() * self.w,
         "NaN",
+    ),
+    "no learned scale": (
+        lambda self, x: x / (x.pow(2).mean(-1, keepdim=True) + self.eps).sqrt(),
+        "apply the learned scale w",
+    ),
+    "a fixed eps": (
+        lambda self, x: x / (x.pow(2).mean(-1, keepdim=True) + 1e-6).sqrt() * self.w,
+        "use self.eps, not a fixed 1e-6",
     ),
 }
 

@@ -163,7 +163,7 @@ def test_rotate_pairs_mistakes_are_named(bug, word):
 def rotary_with(bug=""):
     def forward(self, x, positions=None, *, offset=0):
         if positions is None or bug == "positions ignored":
-            start = 0 if bug == "offset ignored" else offset
+            start = 0 if bug == "offset ignored" else offset + (bug == "off by one")
             return rope.rotate_pairs(
                 x, *(t[start : start + x.shape[-2]] for t in (self.cos, self.sin))
             )
@@ -184,7 +184,11 @@ def test_rotary_embedding_alternative_passes():
 
 @pytest.mark.parametrize(
     "bug, word",
-    [("offset ignored", "not offset under a KV cache"), ("positions ignored", "positions ignored")],
+    [
+        ("offset ignored", "not offset under a KV cache"),
+        ("positions ignored", "positions ignored"),
+        ("off by one", "the first of the pos rows is self.cos[offset]"),
+    ],
 )
 def test_rotary_embedding_mistakes_are_named(bug, word):
     fails(check_rotary_embedding, rotary_with(bug), word)

@@ -269,6 +269,12 @@ def combine_in_place(*masks):
     return combined
 
 
+def combine_asserting_bool(*masks):
+    present = [m for m in masks if m is not None]
+    assert all(m.dtype == torch.bool for m in present), "masks must be boolean"
+    return functools.reduce(operator.and_, present) if present else None
+
+
 def combine_inverted(*masks):
     combined = combine_masks(*masks)
     return None if combined is None else ~combined
@@ -285,6 +291,7 @@ def combine_inverted(*masks):
         (combine_none_as_all_true, ["None"]),
         (combine_in_place, ["in place"]),
         (combine_inverted, ["True means *may attend*"]),
+        (combine_asserting_bool, ["raised AssertionError: masks must be boolean", "ValueError"]),
     ],
 )
 def test_combine_masks_families(fn, words):

@@ -395,6 +395,7 @@ def sublayer_with(**wrong):
         pre = norm == "pre"
         if wrong.get("swap"):
             pre = not pre
+        pre = pre or wrong.get("always_pre", False)
         stream = ln(resid) if wrong.get("normed_stream") else resid
         drop = (lambda t: t) if wrong.get("no_dropout") else dropout
         hook = hook_out
@@ -421,6 +422,7 @@ def sublayer_with(**wrong):
     [
         ({"norm_before_add": True}, "the norm comes after the residual add"),
         ({"swap": True}, "this is post-LN"),
+        ({"always_pre": True}, r"norm='post'\)(.|\n)*this is pre-LN"),
         ({"normed_stream": True}, "add its output to resid itself"),
         ({"hook_before_dropout": True}, "before dropout"),
         ({"hook_result_ignored": True}, "add what hook_out returns"),
@@ -460,16 +462,18 @@ def block_forward(self, resid, mask=None, context=None, context_mask=None, cache
     if wrong.get("no_mask"):
         self_mask = causal_mask(resid.shape[1]) if causal else None
 
-    def sublayer(r, fn, ln, hook, dropout=self.dropout):
+    def sublayer(r, fn, ln, hook, dropout=self.dropout, stream=None):
+        stream = r if stream is None else stream  # what the sublayer's output is added to
         if self.norm == "pre":
-            return r + hook(dropout(fn(ln(r))))
-        return ln(r + hook(dropout(fn(r))))
+            return stream + hook(dropout(fn(ln(r))))
+        return ln(stream + hook(dropout(fn(r))))
 
     def self_attention(r):
         attend = lambda h: self.attn(h, mask=self_mask)
         if cache is not None and not wrong.get("drop_cache"):  # the queries are the last positions
             attend = lambda h: self.attn(h, mask=mask, causal=causal, cache=cache)
-        return self.hook_resid_mid(sublayer(r, attend, self.ln1, self.hook_attn_out))
+        stream = self.ln1(r) if wrong.get("normed_stream") else r
+        return self.hook_resid_mid(sublayer(r, attend, self.ln1, self.hook_attn_out, stream=stream))
 
     def cross_attention(r):
         kv_mask = None if wrong.get("no_context_mask") else context_mask
@@ -516,6 +520,7 @@ def block_with(**wrong):
         ({"no_cross_hook": True}, "hook_cross_attn_out"),
         ({"no_cross_dropout": True}, "dropout=0.3"),
         ({"drop_cache": True}, "pass `cache` on to the self-attention"),
+        ({"normed_stream": True}, "only the sublayer's input is normalised, not the stream"),
     ],
 )
 def test_seq2seq_block_bugs_are_named(wrong, words):

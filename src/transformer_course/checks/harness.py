@@ -46,8 +46,6 @@ def call(name: str, fn: Callable[..., Any], *args: Any, hint: str = "", **kwargs
     except NotImplementedError as exc:
         which = f" ({exc})" if str(exc) else ""
         raise CheckFailure(f"`{name}` is not implemented yet{which}.") from None
-    except CheckFailure:
-        raise
     except Exception as exc:  # the learner's code crashed: say where, keep the cause
         message = f"`{name}` raised {type(exc).__name__}: {exc}"
         raise CheckFailure(message + (f"\nHint: {hint}" if hint else "")) from exc
@@ -101,9 +99,18 @@ def matches(actual: Any, wanted: Any, atol: float = 1e-6) -> bool:
     return isinstance(actual, type(wanted)) and actual == wanted
 
 
+def distance(actual: Any, wanted: Any) -> float:
+    """How far `actual` is from `wanted`, of which it `matches` (0 where that means equal)."""
+    if isinstance(wanted, Tensor) and wanted.is_floating_point() and wanted.numel():
+        return float((actual.detach().double() - wanted.detach().double()).abs().max())
+    return abs(actual - wanted) if isinstance(wanted, float) else 0.0
+
+
 def expect_no_known_mistake(name: str, actual, mistakes: Mapping, *, atol=1e-6, problem=""):
-    """Fail with the hint of the mistake ({hint: its output}) that `actual` is, if any."""
-    hint = next((hint for hint, wrong in mistakes.items() if matches(actual, wrong, atol)), None)
+    """Fail with the hint of the mistake ({hint: its output}) that `actual` is, if any: of
+    several within `atol`, the closest."""
+    near = {h: distance(actual, w) for h, w in mistakes.items() if matches(actual, w, atol)}
+    hint = min(near, key=near.get, default=None)
     expect(hint is None, name, problem or "values differ from the reference.", hint or "")
 
 
