@@ -98,13 +98,12 @@ def check_gpt2_forward(cls: type) -> None:
     name, reference, tokens = "GPT2", _reference_model(), _tokens(batch=2, pos=9)
     model = call(f"{name}.__init__", cls, CFG)
     load_reference_weights(name, model, reference, "embed, pos_embed, blocks, ln_final, unembed")
-    with torch.no_grad():  # the reference without its position embedding, or without ln_final
-        no_pos = [("hook_pos_embed", lambda pos, hook: torch.zeros_like(pos))]
-        hint = "the position embedding is missing: add pos_embed(tokens)."
-        mistakes = {hint: reference.run_with_hooks(tokens, fwd_hooks=no_pos)}
-        last = reference.run_with_cache(tokens)[1][f"blocks.{CFG.n_layers - 1}.hook_resid_post"]
-        mistakes["apply ln_final before the unembedding."] = reference.unembed(last)
-        actual = call(f"{name}.forward", model.eval(), tokens)
+    no_pos = [("hook_pos_embed", lambda pos, hook: torch.zeros_like(pos))]
+    hint = "the position embedding is missing: add pos_embed(tokens)."
+    mistakes = {hint: reference.run_with_hooks(tokens, fwd_hooks=no_pos)}
+    last = reference.run_with_cache(tokens)[1][f"blocks.{CFG.n_layers - 1}.hook_resid_post"]
+    mistakes["apply ln_final before the unembedding."] = reference.unembed(last)
+    actual = call(f"{name}.forward", model.eval(), tokens)
     hint = "embed + pos_embed, then each block in turn, then ln_final, then unembed."
     expect_close(actual, reference(tokens), name, hint, atol=1e-4, mistakes=mistakes)
     hooks = {"hook_embed": "embed(tokens)", "hook_pos_embed": "pos_embed(tokens)"}
@@ -112,7 +111,6 @@ def check_gpt2_forward(cls: type) -> None:
     expect_hooks(name, model, reference, hooks, tokens, atol=1e-6)
     reference = _reference_model(dropout=0.3)
     model = call(f"{name}.__init__", cls, reference.cfg)
-    model.load_state_dict(reference.state_dict())
     hint, where = "apply self.dropout to the embeddings, before the blocks.", f"{name} (dropout)"
     expect_same_in_train_mode(where, model, reference, tokens, hint=hint, atol=1e-5)
     passed(name)
@@ -157,28 +155,24 @@ SAMPLING_MISTAKES = {  # the hint: the order of the steps that gives the mistake
     "divide by the temperature first: top_k and top_p filter the scaled logits.": "kpt",
     "apply top_k before top_p: the nucleus is taken among the top_k tokens.": "tpk",
 }
-SAMPLING_CASES = [  # temperature, top_k, top_p
-    (1.0, None, None),
-    (0.5, None, None),
-    (1.0, 3, None),
-    (1.0, None, 0.6),
-    (0.5, None, 0.6),
-    (2.0, 8, 0.5),
-    (0.7, 6, 0.8),
+SAMPLING_CASES = [  # generate's options, the temperature always given
+    dict(temperature=1.0),
+    dict(temperature=0.5),
+    dict(temperature=1.0, top_k=3),
+    dict(temperature=1.0, top_p=0.6),
+    dict(temperature=0.5, top_p=0.6),
+    dict(temperature=2.0, top_k=8, top_p=0.5),
+    dict(temperature=0.7, top_k=6, top_p=0.8),
 ]
 
 
 def _expect_sampling(name: str, fn: Callable, model: GPT2, one: torch.Tensor, **options) -> None:
-    """Copies of a one-token prompt, a token each: the reference's draws, or its frequencies."""
+    """Copies of a one-token prompt, a token each: their frequencies, the reference's odds."""
     n, where = 4000, f"{name}({', '.join(f'{k}={v}' for k, v in options.items())})"
     torch.manual_seed(5)
     drawn = call(where, fn, model, one.expand(n, -1), 1, **options)
     expect(shape_of(drawn) == (n, 2), where, f"expected shape ({n}, 2), got {shape_of(drawn)}.")
-    torch.manual_seed(5)
-    if torch.equal(drawn, generate(model, one.expand(n, -1), 1, **options)):
-        return
-    with torch.no_grad():
-        logits = model(one)[0, -1].double()
+    logits = model(one)[0, -1].detach().double()
     freq = torch.bincount(drawn[:, -1], minlength=CFG.d_vocab).double() / n
     wanted = _sampling(logits, "tkp", **options)
     worst = (freq - wanted).abs().max()
@@ -195,15 +189,13 @@ def _expect_sampling(name: str, fn: Callable, model: GPT2, one: torch.Tensor, **
 def _expect_top_k_per_row(name: str, fn: Callable, model: GPT2) -> None:
     """Rows with different prompts: each row samples from its own top k, not row 0's."""
     prompts, n, where = _tokens(4, 3, seed=8), 1500, f"{name}(top_k=3, four different prompts)"
-    with torch.no_grad():
-        top = model(prompts)[:, -1].double().topk(3, dim=-1)
+    top = model(prompts)[:, -1].detach().double().topk(3, dim=-1)
     torch.manual_seed(9)
     drawn = call(where, fn, model, prompts.repeat_interleave(n, dim=0), 1, top_k=3)[:, -1]
     hint = "take the k-th largest logit of each row (topk over dim=-1, a (batch, 1) threshold)."
-    for row in range(len(prompts)):
-        mine = drawn[row * n : (row + 1) * n, None] == top.indices[row]
-        freq = mine.double().mean(0)
-        own = mine.any(-1).all() and (freq - top.values[row].softmax(-1)).abs().max() < 0.06
+    mine = drawn.reshape(len(prompts), n, 1) == top.indices[:, None]  # row, draw, its top 3
+    for row, freq in enumerate(mine.double().mean(1)):
+        own = mine[row].any(-1).all() and (freq - top.values[row].softmax(-1)).abs().max() < 0.06
         expect(own, where, f"row {row} does not sample from its own 3 likeliest tokens.", hint)
 
 
@@ -217,15 +209,12 @@ def check_generate(fn: Callable[..., torch.Tensor]) -> None:
     crop, where = "feed only the last n_ctx tokens: tokens[:, -n_ctx:].", f"{where}, past n_ctx"
     long = call(where, fn, model, prompt, 14, temperature=0, hint=crop)
     expect_close(long, generate(model, prompt, 14, temperature=0), where, crop)
-    for case in SAMPLING_CASES:
-        options = {k: v for k, v in zip(("temperature", "top_k", "top_p"), case) if v is not None}
+    for options in SAMPLING_CASES:
         _expect_sampling(name, fn, model, prompt[:1, :1], **options)
-        if case == (1.0, 3, None):  # then top_k with rows of different prompts
+        if options == dict(temperature=1.0, top_k=3):  # then top_k with rows of different prompts
             _expect_top_k_per_row(name, fn, model)
-    runs = []
-    for global_seed in (1, 2):
-        torch.manual_seed(global_seed)
-        runs.append(call(name, fn, model, prompt, 6, generator=seeded(11)))
+    torch.manual_seed(1)  # the second run finds the global generator where the first left it
+    runs = [call(name, fn, model, prompt, 6, generator=seeded(11)) for _ in range(2)]
     hint = "draw every random number from the generator: multinomial(..., generator=generator)."
     problem = "two runs with the same generator seed gave different tokens."
     expect(torch.equal(*runs), f"{name}(generator=seeded(11)), twice", problem, hint)
@@ -265,10 +254,9 @@ def check_against_huggingface(model: torch.nn.Module, hf_model: torch.nn.Module,
         hf = hf_model(tokens, output_hidden_states=True)
         logits, cache = call(name, model.run_with_cache, tokens)
         final = model.ln_final(cache[f"blocks.{last}.hook_resid_post"])
+    block = "your TransformerBlock: x + attn(ln1(x)), then x + mlp(ln2(x))."
     stages = {"embeddings": (cache["hook_embed"] + cache["hook_pos_embed"], "embed + pos_embed.")}
-    for layer in range(last):
-        block = "your TransformerBlock: x + attn(ln1(x)), then x + mlp(ln2(x))."
-        stages[f"block {layer}"] = (cache[f"blocks.{layer}.hook_resid_post"], block)
+    stages |= {f"block {i}": (cache[f"blocks.{i}.hook_resid_post"], block) for i in range(last)}
     stages["last block and ln_final"] = (final, "the last block, then ln_final.")
     stages["logits"] = (logits, "unembed: x @ W_U + b_U, W_U the transpose of lm_head.weight.")
     for (stage, (ours, hint)), theirs in zip(stages.items(), [*hf.hidden_states, hf.logits]):
@@ -278,12 +266,11 @@ def check_against_huggingface(model: torch.nn.Module, hf_model: torch.nn.Module,
     passed(name)
 
 
-def _windows(name: str, fn: Callable, data, position, batch_size: int, n_ctx: int, seed=None):
+def _windows(name: str, fn: Callable, data, position, batch_size: int, n_ctx: int, generator):
     """The starts of the learner's windows of `data` (`position[id]`: where id sits in it)."""
     where = f"{name}(data of {len(data)} tokens, batch_size={batch_size}, n_ctx={n_ctx})"
     hint = "an index ran past the end of data? The targets of the last window end at data[-1], "
     hint += "so a window starts at most at len(data) - n_ctx - 1 (randint's high is exclusive)."
-    generator = None if seed is None else seeded(seed)
     out = call(where, fn, data, batch_size, n_ctx, generator=generator, hint=hint)
     shapes = [(shape_of(t), t.dtype) for t in out] if isinstance(out, tuple) else describe(out)
     problem = f"expected x and y of shape {(batch_size, n_ctx)} and dtype int64, got {shapes}."
@@ -294,9 +281,8 @@ def _windows(name: str, fn: Callable, data, position, batch_size: int, n_ctx: in
     hint = "the targets are the next tokens: y = data[start + 1 : start + n_ctx + 1]."
     mistakes = {"the targets are the inputs themselves; " + hint: px}
     mistakes["the targets come one token before the inputs, not after; " + hint] = px - 1
-    if not torch.equal(py, px + 1):
-        expect_no_known_mistake(where, py, mistakes, problem="y is not x shifted by one token.")
-        expect(False, where, "y is not x shifted by one token.", hint)
+    expect_no_known_mistake(where, py, mistakes, problem="y is not x shifted by one token.")
+    expect(torch.equal(py, px + 1), where, "y is not x shifted by one token.", hint)
     return px[:, 0]
 
 
@@ -306,19 +292,18 @@ def check_sample_batch(fn: Callable) -> None:
     # Distinct ids in a shuffled order, so an id says where in data it was taken from.
     data, position = torch.randperm(n, generator=seeded(18)) + 3, torch.full((n + 3,), -n)
     position[data] = torch.arange(n)
-    windows = _windows(name, fn, data, position, 64, 8, seed=19).unique().numel()
+    windows = _windows(name, fn, data, position, 64, 8, seeded(19)).unique().numel()
     where, hint = f"{name}(batch_size=64)", "draw one start per row: (batch_size,)."
     expect(windows >= 32, where, f"the 64 rows hold only {windows} different windows.", hint)
-    starts = _windows(name, fn, data[:10], position, 600, 4, seed=20)  # 6 windows, as often
+    starts = _windows(name, fn, data[:10], position, 600, 4, seeded(20))  # 6 windows, as often
     where, shown = f"{name}(data of 10 tokens, n_ctx=4)", sorted(starts.unique().tolist())
     hint = "the last window starts at len(data) - n_ctx - 1 (its targets end at data[-1]), the "
     hint += "first at 0: torch.randint(len(data) - n_ctx, ...) draws exactly those."
     problem = f"windows start at {shown}; expected each of 0-5."
     expect(starts.min() == 0 and starts.max() == 5, where, problem, hint)
-    runs = []
-    for global_seed, seed in ((1, 21), (2, 21), (1, 22), (1, None)):
-        torch.manual_seed(global_seed)
-        runs.append(_windows(name, fn, data, position, 8, 8, seed=seed))
+    torch.manual_seed(1)  # each call finds the global generator where the one before left it
+    generators = (seeded(21), seeded(21), seeded(22), None)
+    runs = [_windows(name, fn, data, position, 8, 8, generator) for generator in generators]
     hint = "draw the starts from the generator you are given: randint(..., generator=generator)."
     problem = "two calls with equally seeded generators gave different windows."
     expect(torch.equal(runs[0], runs[1]), f"{name}(generator seeded 21), twice", problem, hint)
@@ -384,9 +369,8 @@ def check_kv_cache(fn: Callable) -> None:
     name, model = "forward_with_cache", _reference_model(seed=5).double()
     tokens = _tokens(batch=2, pos=sum(KV_CHUNKS), seed=16)
     logits = _replay(name, fn, model, tokens, KV_CHUNKS)
-    with torch.no_grad():
-        expected = model(tokens)
-        mistakes = {h: _cached_logits(model, tokens, w) for w, h in KV_MISTAKES.items()}
+    expected = model(tokens).detach()
+    mistakes = {h: _cached_logits(model, tokens, w) for w, h in KV_MISTAKES.items()}
     error = (logits.double() - expected).abs().nan_to_num(math.inf).amax(dim=(0, 2))
     if (error > 1e-6).any():
         position = int((error > 1e-6).nonzero()[0])
@@ -403,8 +387,8 @@ def check_kv_cache(fn: Callable) -> None:
     greedy = generate(model, tokens[:, :5], CFG.n_ctx - 5, temperature=0)  # up to n_ctx
     steps = [5] + [1] * (CFG.n_ctx - 6)  # the prompt, then one token at a time
     chosen = _replay(name, fn, model, greedy[:, :-1], steps)[:, 4:].argmax(-1)
-    hint, where = "feed each new token alone, with the last call's cache.", f"{name}, greedy"
-    expect_close(chosen, greedy[:, 5:], f"{where} decoding up to n_ctx", hint)
+    hint = "feed each new token alone, with the last call's cache."
+    expect_close(chosen, greedy[:, 5:], f"{name}, greedy decoding up to n_ctx", hint)
     passed(name)
 
 
@@ -450,9 +434,10 @@ def check_weight_conversion(fn: Callable[..., dict]) -> None:
         where = f"{name}(n_layers={n_layers}, n_heads={n_heads})"
         state = call(where, fn, hf.state_dict(), **sizes, hint=TRANSPOSED)
         expected = convert_hf_gpt2_state_dict(hf.state_dict(), **sizes)
-        missing = [key for key in expected if key not in state] if isinstance(state, dict) else 0
-        hint = next((h for part, h in MISSING.items() if any(part in k for k in missing or ())), "")
-        expect(not missing, where, f"keys are missing: {missing or describe(state)}.", hint)
+        expect(isinstance(state, dict), where, f"returned {describe(state)}.", "return a dict.")
+        missing = [key for key in expected if key not in state]
+        hint = next((h for part, h in MISSING.items() if any(part in k for k in missing)), "")
+        expect(not missing, where, f"keys are missing: {missing}.", hint)
         for key, wanted in expected.items():
             got, at, shape = state[key], f"{where}, {key}", tuple(wanted.shape)
             hint = TRANSPOSED if shape_of(got) == shape[::-1] else "see GPT2(cfg).state_dict()."
@@ -464,9 +449,8 @@ def check_weight_conversion(fn: Callable[..., dict]) -> None:
             expect_close(got, wanted, at, "", atol=1e-12, rtol=0, mistakes=mistakes)
         model = GPT2(GPT2Config.from_huggingface(hf.config)).double().eval()
         call(f"GPT2.load_state_dict({name}(...))", model.load_state_dict, state)
-        with torch.no_grad():
-            expected, where = hf(tokens).logits, f"{where}, the logits"
-            expect_close(model(tokens), expected, where, "compare each key.", atol=1e-8)
+        expected, where = hf(tokens).logits.detach(), f"{where}, the logits"
+        expect_close(model(tokens), expected, where, "compare each key.", atol=1e-8)
     passed(name)
 
 
@@ -606,10 +590,9 @@ def _expect_steps(where: str, seen: dict, ref: dict, max_steps, eval_every, grad
     mistakes = {"evaluate after the last step too.": range(eval_every, max_steps + 1, eval_every)}
     wanted, done = [e[0] for e in ref["evals"]], [e[0] for e in seen["evals"]]
     expect_series(where, "evaluation", done, wanted, every, mistakes)
+    hint = f"evaluate in eval mode, without gradients: {EVAL_HINT}"
     for index, state in ((1, "in train mode"), (2, "with gradients on")):
-        if not any(e[index] for e in ref["evals"]):  # the reference evaluates in eval mode
-            hint = f"evaluate in eval mode, without gradients: {EVAL_HINT}"
-            expect(not any(e[index] for e in seen["evals"]), where, f"evaluated {state}.", hint)
+        expect(not any(e[index] for e in seen["evals"]), where, f"evaluated {state}.", hint)
 
 
 def _numbers(history: training.History) -> dict[str, list]:

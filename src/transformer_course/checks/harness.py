@@ -254,7 +254,9 @@ def perturb(module: torch.nn.Module, seed: int, scale: float = 0.3) -> torch.nn.
 
 
 def expect_same_in_train_mode(name: str, module, reference, *args: Any, hint: str, atol=1e-8):
-    """Dropout off in eval mode, and where the reference's falls in train mode."""
+    """With the reference's weights: dropout off in eval mode, and where the reference's falls
+    in train mode."""
+    call(f"{name}.load_state_dict", module.load_state_dict, reference.state_dict())
     module.eval(), reference.eval()
     where = f"{name} (eval mode)"
     off = "in eval mode dropout does nothing: nn.Dropout, or F.dropout(x, training=self.training)."
@@ -314,12 +316,14 @@ def passed(name: str) -> None:
     print(f"✓ {name} passes every check")
 
 
-def build_module(name: str, cls: type, *args, params: dict[str, tuple]) -> torch.nn.Module:
+def build_module(name: str, cls: type, *args, params: dict[str, tuple], **kwargs):
     """The learner's module, once its parameters' names and shapes are TransformerLens's."""
-    module = call(f"{name}.__init__", cls, *args)
+    module = call(f"{name}.__init__", cls, *args, **kwargs)
+    found = dict(module.named_parameters()) if isinstance(module, torch.nn.Module) else {}
+    shapes = {key: tuple(param.shape) for key, param in found.items()}
+    hint = "keep the TransformerLens names and shapes, made in __init__: matrices (d_in, d_out), "
+    hint += "embeddings (rows, d_model), a norm's w and b (d_model,)."
     for param, shape in params.items():
-        got = getattr(module, param, None)
-        shaped = isinstance(got, torch.nn.Parameter) and tuple(got.shape) == shape
-        hint = "TransformerLens layout: matrices are (d_in, d_out), embeddings (rows, d_model)."
-        expect(shaped, name, f"expected a parameter `{param}` {shape}, got {describe(got)}.", hint)
+        problem = f"expected a parameter `{param}` of shape {shape}; found {shapes}."
+        expect(shapes.get(param) == shape, name, problem, hint)
     return module

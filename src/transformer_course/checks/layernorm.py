@@ -8,6 +8,7 @@ import torch.nn.functional as F
 
 from transformer_course import layernorm
 from transformer_course.checks.harness import (
+    build_module,
     call,
     expect,
     expect_close,
@@ -69,16 +70,10 @@ def _norm(x, w, b, eps, centre, dim=-1, correction=0, reduce="mean", eps_at="in"
 
 def _build(name: str, cls: type, eps: float, params: tuple[str, ...], seed: int):
     """The learner's module in float64 with random parameters (so w=1, b=0 can't hide a bug)."""
-    module = call(f"{name}.__init__", cls, D_MODEL, eps=eps)
-    found = dict(module.named_parameters()) if isinstance(module, torch.nn.Module) else {}
-    for param in params:
-        shaped = param in found and tuple(found[param].shape) == (D_MODEL,)
-        problem = f"expected a parameter `{param}` of shape ({D_MODEL},); found {sorted(found)}."
-        hint = "keep the TransformerLens names: `w` (scale) and `b` (shift), created in __init__."
-        expect(shaped, name, problem, hint)
+    module = build_module(name, cls, D_MODEL, eps=eps, params={p: (D_MODEL,) for p in params})
     with torch.no_grad():
         for k, param in enumerate(params):
-            found[param].copy_(randn(D_MODEL, seed=seed + k) + 1)
+            getattr(module, param).copy_(randn(D_MODEL, seed=seed + k) + 1)
     return module.double()
 
 

@@ -19,6 +19,7 @@ from transformer_course.checks.harness import (
     call,
     describe,
     expect,
+    expect_cached,
     expect_close,
     expect_hooks,
     expect_unchanged,
@@ -37,8 +38,8 @@ CFG = llama.LlamaConfig(16, 2, 4, 2, 6, 24, 37, 16, rope_theta=100.0)
 HF_SIZES = dict(vocab_size=37, hidden_size=16, intermediate_size=24, num_hidden_layers=2)
 HF_SIZES |= dict(num_attention_heads=4, head_dim=6, max_position_embeddings=16)  # CFG's
 HF_SIZES["rope_parameters"] = {"rope_type": "default", "rope_theta": 100.0}
-CUTS = ((0, 3), (3, 4), (4, 5), (5, 7))  # a KV cache's calls: a prompt, two single tokens, two
-FROM_ZERO = torch.cat([torch.arange(b - a) for a, b in CUTS])  # positions restarting each call
+CUTS = (3, 4, 5)  # where a KV cache's calls cut 7 positions: a prompt, two single tokens, two
+FROM_ZERO = torch.tensor([0, 1, 2, 0, 0, 0, 1])  # their positions, restarting at each call
 GQA_OPTIONS = dict(n_ctx=16, rope_theta=100.0)
 THETA = "theta in the wrong place: pair i turns by p * theta^(-2i / d_head): "
 ANGLE_MISTAKES = {
@@ -125,6 +126,10 @@ ADAMW_MISTAKES = {
 STEPS, START, GRADS = 50, randn(17, seed=1), randn(50, 17, seed=2)  # a (3, 4) and a (5,), flat
 ADAMW_HINT = "p *= 1 - lr * weight_decay; update m and v; p -= lr * m_hat / (sqrt(v_hat) + eps); "
 ADAMW_HINT += "every hyperparameter read from `group`."
+GROUPS = [  # two parameter groups' own settings: the second takes betas and eps from AdamW's
+    dict(lr=0.1, betas=(0.8, 0.95), eps=1e-3, weight_decay=0.5),
+    dict(lr=0.1, weight_decay=0.0),
+]
 
 
 def _angles(positions, d_head, theta=1e4, *, sign=-1, two=2, over=1, shift=0, arange=False):
@@ -137,6 +142,7 @@ def _angles(positions, d_head, theta=1e4, *, sign=-1, two=2, over=1, shift=0, ar
 def check_rope_angles(fn: Callable) -> None:
     """`rope_angles(positions, d_head, theta=10000.0)`: float32 (..., pos, d_head / 2), 1e-5."""
     hint = "the angle of pair i at position p is p * theta^(-2i / d_head), i < d_head / 2."
+    float32 = "compute the angles in float32 (positions.float()), as Meta and Hugging Face do."
     for positions, d_head, theta in [  # theta None: its default
         (torch.tensor([5, 0, 3, 9, 2]), 8, None),
         (torch.tensor([[0, 1, 2], [7, 4, 11]]), 6, 500.0),
@@ -145,7 +151,6 @@ def check_rope_angles(fn: Callable) -> None:
         args, given = (positions, d_head, theta)[: 2 + bool(theta)], dict(theta=theta or 1e4)
         where = f"rope_angles({', '.join(map(str, (positions.tolist(), *args[1:])))})"
         actual, problem = call(where, fn, *args), "expected float32 angles."
-        float32 = "compute the angles in float32 (positions.float()), as Meta and Hugging Face do."
         expect(getattr(actual, "dtype", None) == torch.float32, where, problem, float32)
         wrong = {h: _angles(positions, d_head, **{**given, **k}) for h, k in ANGLE_MISTAKES.items()}
         expected = _angles(positions, d_head, **given).float()
@@ -172,10 +177,11 @@ def check_rotate_pairs(fn: Callable) -> None:
     actual = call(name, fn, given, cos, sin)
     expect_close(actual, expected, name, hint, atol=1e-10, rtol=1e-10, mistakes=wrong)
     expect_unchanged(name, given, x)
+    hint = "compute in float32 (upcast(x)), return x's dtype."
     for dtype in (torch.bfloat16, torch.float16):
-        where, y = f"{name} ({str(dtype)[6:]} x, float32 cos and sin)", x.to(dtype)
-        actual, hint = call(where, fn, y, cos.float(), sin.float()), "compute in float32 "
-        problem, hint = f"returned {describe(actual)}.", hint + "(upcast(x)), return x's dtype."
+        where = f"{name} ({str(dtype)[6:]} x, float32 cos and sin)"
+        actual = call(where, fn, x.to(dtype), cos.float(), sin.float())
+        problem = f"returned {describe(actual)}."
         expect(getattr(actual, "dtype", None) == dtype, where, problem, hint)
         expect_close(actual, expected.to(dtype), where, hint, atol=3e-2, rtol=2e-2)
     passed(name)
@@ -276,6 +282,7 @@ def _gqa(attn, x, positions=None, *, rotate="qk", order="(kv group)", causal=Tru
 def check_grouped_query_attention(cls: type) -> None:
     """`GroupedQueryAttention(...).forward(x, *, cache=None)`: 4, 2, 1 KV heads, 1e-8, float64."""
     name, x = "GroupedQueryAttention", randn(2, 7, 16, seed=1)
+    pieces = x.tensor_split(CUTS, dim=1)  # a KV cache's calls
     for n_kv_heads in (4, 2, 1):
         where, sizes = f"{name}(n_heads=4, n_kv_heads={n_kv_heads})", (16, 4, n_kv_heads, 6)
         reference = perturb(llama.GroupedQueryAttention(*sizes, **GQA_OPTIONS).double(), 1, 0.5)
@@ -284,23 +291,22 @@ def check_grouped_query_attention(cls: type) -> None:
         with torch.no_grad():
             expected, wrong_start = reference(x), {START_HINT: _gqa(reference, x, FROM_ZERO)}
             wrong = {h: _gqa(reference, x, **k) for h, k in GQA_MISTAKES.items()}
+            keys = x[:, None] @ reference.W_K  # (batch, kv_head, pos, d_head), then RoPE
+            keys = rope.apply_rope(keys, torch.arange(7), GQA_OPTIONS["rope_theta"])
         for fast in (False, True):
             module.fast_path, at = fast, f"{where}, fast_path={fast}"
             expect_close(call(at, module, x), expected, at, GQA_HINT, atol=1e-8, mistakes=wrong)
             hooked = "hook_pattern" in call(at, module.run_with_cache, x)[1]
             problem = f"hook_pattern {'ran' if hooked else 'did not run'}."
             expect(hooked != fast, at, problem, FUSED_HINT)
-            (cache, ours), at = (LayerCache(), LayerCache()), f"{at}, through a KV cache in 4 calls"
-            out = torch.cat([call(at, module, x[:, a:b], cache=cache) for a, b in CUTS], dim=1)
+            cache, at = LayerCache(), f"{at}, through a KV cache in 4 calls"
+            out = torch.cat([call(at, module, piece, cache=cache) for piece in pieces], dim=1)
             expect_close(out, expected, at, CACHE_HINT, atol=1e-8, mistakes=wrong_start)
-            shape, got = (2, n_kv_heads, 7, 6), shape_of(cache.k)
+            shape, got = tuple(keys.shape), shape_of(cache.k)
             hint = "extend the cache before repeating the KV heads: it keeps n_kv_heads of them."
             expect(got == shape, at, f"the cached keys are {got}; expected {shape}.", hint)
-            with torch.no_grad():
-                for a, b in CUTS:
-                    reference(x[:, a:b], cache=ours)
             hint = "cache the keys after RoPE, each turned once at its own position."
-            expect_close(cache.k, ours.k, f"{at}, the cached keys", hint, atol=1e-8)
+            expect_close(cache.k, keys, f"{at}, the cached keys", hint, atol=1e-8)
         module.fast_path = False
         expect_hooks(where, module, reference, GQA_HOOKS, x)
     passed(name)
@@ -316,7 +322,7 @@ def check_llama_block(cls: type) -> None:
         "hook_resid_post": "pass resid_mid + mlp(ln2(resid_mid)) through self.hook_resid_post.",
     }
     no_cache = "the cache is not passed to attention: self.attn(self.ln1(x), cache=cache)."
-    name, x, where = "LlamaBlock", randn(2, 7, CFG.d_model, seed=1), "LlamaBlock, a KV cache"
+    name, x = "LlamaBlock", randn(2, 7, CFG.d_model, seed=1)
     torch.manual_seed(0)
     reference = perturb(llama.LlamaBlock(CFG).double(), seed=1)
     block = call(f"{name}.__init__", cls, CFG).double()
@@ -330,13 +336,11 @@ def check_llama_block(cls: type) -> None:
             "not to ln1(x).": normed + mlp(normed),
             "the MLP reads the block input: mlp(ln2(x + attn(ln1(x)))).": mid + mlp(ln2(x)),
         }
-        expected, pieces = reference(x), [reference(x[:, a:b]) for a, b in CUTS]
+        expected = reference(x)
     hint = "pre-norm: x + attn(ln1(x)), then that + mlp(ln2(that))."
     expect_close(call(name, block, x), expected, name, hint, atol=1e-8, mistakes=mistakes)
     expect_hooks(name, block, reference, hooks, x)
-    cache, wrong = LayerCache(), {no_cache: torch.cat(pieces, dim=1)}
-    out = torch.cat([call(where, block, x[:, a:b], cache=cache) for a, b in CUTS], dim=1)
-    expect_close(out, expected, where, no_cache, atol=1e-8, mistakes=wrong)
+    expect_cached(f"{name}, a KV cache", block, reference, x, CUTS, no_cache)
     passed(name)
 
 
@@ -358,9 +362,8 @@ def check_llama(cls: type) -> None:
         model = call(f"{where}.__init__", cls, cfg).double().eval()
         load_reference_weights(where, model, reference, "embed, blocks, ln_final, unembed")
         with torch.no_grad():
-            actual, residual = call(where, model, tokens, hint=no_pos), reference.embed(tokens)
-            for block in reference.blocks:
-                residual = block(residual)
+            actual = call(where, model, tokens, hint=no_pos)
+            residual = torch.nn.Sequential(*reference.blocks)(reference.embed(tokens))
             mistakes = {
                 "the final norm is forgotten: apply ln_final first.": reference.unembed(residual),
                 "the tied unembedding ignored or forced: self.unembed uses W_U, or W_E when "
@@ -398,9 +401,8 @@ def check_cross_entropy(fn: Callable) -> None:
     expect_close(loss, ours(logits, targets), where, hint, atol=1e-10, rtol=1e-10, mistakes=wrong)
     keep = "build the loss from logits with torch operations (no .item(), no .detach())."
     call(f"{where}.backward()", loss.backward, hint=keep)
-    theirs = logits.detach().clone().requires_grad_()
-    ours(theirs, targets).backward()
-    expect_close(logits.grad, theirs.grad, f"{where}, the gradient", keep, atol=1e-10)
+    (grad,) = torch.autograd.grad(ours(logits, targets), logits)
+    expect_close(logits.grad, grad, f"{where}, the gradient", keep, atol=1e-10)
     big, targets = 1e4 * randn(3, 7, seed=3, dtype=torch.float32), torch.tensor([0, 6, 2])
     where = f"{name}(float32 logits of size 1e4)"
     expect_close(call(where, fn, big, targets), ours(big, targets), where, OVERFLOW, atol=1e-2)
@@ -461,13 +463,21 @@ def _adamw(p, grads, lrs, *, lr, betas, eps, weight_decay, bias=True, decay="", 
     return torch.stack(out)
 
 
-def _trajectory(where: str, make: Callable, hyper: dict, lrs: list[float]) -> Tensor:
-    """The parameters (flat) after each step, the group's lr set to `lrs` as a schedule does."""
+def _trajectory(where: str, make: Callable, hyper: dict, lrs=(), groups=(), resume_at=None):
+    """The parameters (flat) after each step of `make(params, **hyper)`, each parameter in its
+    own group if `groups` gives their settings; the first group's lr set to `lrs` as a schedule
+    does; at step `resume_at`, a new optimizer loaded from the old one's `state_dict()`."""
     params = [torch.nn.Parameter(t.clone()) for t in (START[:12].view(3, 4), START[12:])]
-    optimizer, out = call(f"{where}.__init__", make, params, **hyper), []
-    for grad, lr in zip(GRADS, lrs):
+    given = [dict(params=[p], **s) for p, s in zip(params, groups)] if groups else params
+    new = lambda: call(f"{where}.__init__", make, given, **hyper)
+    optimizer, out = new(), []
+    for step, grad in enumerate(GRADS):
+        if step == resume_at:
+            state, optimizer = optimizer.state_dict(), new()
+            call(f"{where}.load_state_dict", optimizer.load_state_dict, state)
+        if lrs:
+            optimizer.param_groups[0]["lr"] = lrs[step]
         params[0].grad, params[1].grad = grad[:12].view(3, 4).clone(), grad[12:].clone()
-        optimizer.param_groups[0]["lr"] = lr
         call(f"{where}.step", optimizer.step)
         out.append(torch.cat([param.detach().flatten() for param in params]))
     return torch.stack(out)
@@ -485,29 +495,14 @@ def check_adamw(cls: type) -> None:
         where += ", group['lr'] changed every step: the parameters after each step"
         expect_close(actual, expected, where, ADAMW_HINT, atol=1e-10, rtol=1e-10, mistakes=wrong)
     where = "AdamW with two parameter groups, each with its own betas, eps and weight_decay"
-    expected = _two_groups(where, torch.optim.AdamW)
+    hyper = dict(betas=(0.5, 0.9), eps=1e-2)  # AdamW's own, the second group's
+    expected = _trajectory(where, torch.optim.AdamW, hyper, groups=GROUPS)
     hint = "read lr, betas, eps and weight_decay from the group: group['betas'], not self.defaults."
-    expect_close(_two_groups(where, cls), expected, where, hint, atol=1e-10, rtol=1e-10)
+    actual = _trajectory(where, cls, hyper, groups=GROUPS)
+    expect_close(actual, expected, where, hint, atol=1e-10, rtol=1e-10)
     where += ", saved with state_dict() half-way and loaded into a new AdamW"
     hint = "keep each parameter's step count and running means in self.state[param], which "
     hint += "state_dict() saves and load_state_dict() restores."
-    actual = _two_groups(where, cls, resume_at=STEPS // 2)
+    actual = _trajectory(where, cls, hyper, groups=GROUPS, resume_at=STEPS // 2)
     expect_close(actual, expected, where, hint, atol=1e-10, rtol=1e-10)
     passed("AdamW")
-
-
-def _two_groups(where: str, make: Callable, resume_at: int | None = None) -> Tensor:
-    """The parameters after every step with two groups' settings; optionally a new optimizer
-    loaded from the old one's `state_dict()` at step `resume_at`."""
-    params = [torch.nn.Parameter(t.clone()) for t in (START[:12], START[12:])]
-    settings = [dict(betas=(0.8, 0.95), eps=1e-3, weight_decay=0.5), dict(weight_decay=0.0)]
-    groups = [dict(params=[p], lr=0.1, **s) for p, s in zip(params, settings)]
-    new = lambda: call(f"{where}.__init__", make, groups, betas=(0.5, 0.9), eps=1e-2)
-    optimizer = new()
-    for step, grad in enumerate(GRADS):
-        if step == resume_at:
-            state, optimizer = optimizer.state_dict(), new()
-            call(f"{where}.load_state_dict", optimizer.load_state_dict, state)
-        params[0].grad, params[1].grad = grad[:12].clone(), grad[12:].clone()
-        call(f"{where}.step", optimizer.step)
-    return torch.cat([param.detach() for param in params])

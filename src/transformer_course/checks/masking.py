@@ -158,13 +158,13 @@ def check_masked_softmax(fn: Callable[..., torch.Tensor]) -> None:
     empty = torch.tensor([[1, 0, 1, 0], [0, 0, 0, 0], [1, 1, 1, 1]], dtype=torch.bool)
     nan = "softmax over a row that is all -inf is 0/0 = NaN. Fill with a large *finite* "
     nan += "negative number, `torch.finfo(scores.dtype).min`, and zero the empty rows."
+    fp16 = "-1e9 does not fit in fp16 (it ends at -65504): fill with torch.finfo(dtype).min."
+    hint = "with a finite fill an empty row comes out uniform: set the weights of forbidden keys "
+    hint += "to 0 after the softmax (`masked_fill(~mask, 0)`)."
     for dtype in (torch.float32, torch.float16, torch.bfloat16):
-        scores, where = torch.randn(3, 4, generator=seeded(3)).to(dtype), f"{name} ({dtype}, "
-        fp16 = "-1e9 does not fit in fp16 (it ends at -65504): fill with torch.finfo(dtype).min."
-        where += "a row with no allowed key)"
+        scores = torch.randn(3, 4, generator=seeded(3)).to(dtype)
+        where = f"{name} ({dtype}, a row with no allowed key)"
         row = _expect_weights(where, fn, scores, empty, nan, fp16 * (dtype != torch.float32))[1]
-        hint = "with a finite fill an empty row comes out uniform: set the weights of forbidden "
-        hint += "keys to 0 after the softmax (`masked_fill(~mask, 0)`)."
         expect(not row.any(), where, f"expected an all-zero pattern row, got {row.tolist()}.", hint)
     scores = torch.randn(2, 5, 6, generator=generator, dtype=torch.float64)
     where, hint = f"{name}(mask=None)", "`mask` defaults to None: plain softmax over the last dim."

@@ -194,6 +194,11 @@ EOT = "<|endoftext|>"
 BPE_TRAINING = f"Hello world, hello worlds. The end{EOT}The start. café naïve 日本語 a  b   c\n"
 
 
+def _split(tokenizer: BPETokenizer) -> regex.Pattern | None:
+    """The pre-split regex of `tokenizer`, from its `pattern` (None: no pre-split)."""
+    return None if tokenizer.pattern is None else regex.compile(tokenizer.pattern)
+
+
 def _rank_order_samples(tokenizer: BPETokenizer, limit: int = 3) -> list[str]:
     """Chunks a, b, c with (b, c) learned before (a, b): rank order differs from text order."""
     byte_merges = [(pair, rank) for pair, rank in tokenizer.ranks.items() if max(pair) < 256]
@@ -204,7 +209,7 @@ def _rank_order_samples(tokenizer: BPETokenizer, limit: int = 3) -> list[str]:
                 text = bytes([a, b, c]).decode("utf-8")
             except UnicodeDecodeError:
                 continue
-            one_chunk = tokenization.split_chunks(text, tokenizer._split) == [text]
+            one_chunk = tokenization.split_chunks(text, _split(tokenizer)) == [text]
             if middle == b and early < late and one_chunk:
                 samples.append(text)
     return samples[:limit]
@@ -213,11 +218,9 @@ def _rank_order_samples(tokenizer: BPETokenizer, limit: int = 3) -> list[str]:
 def _in_text_order(tokenizer: BPETokenizer, text: str) -> list[int]:
     """The ids of `text` with each chunk merged in text order instead of rank order."""
     ids: list[int] = []
-    for k, piece in enumerate(tokenizer._special_split.split(text)):  # specials at odd positions
-        if k % 2:
-            ids.append(tokenizer.special_tokens[piece])
-            continue
-        for chunk in tokenization.split_chunks(piece, tokenizer._split):
+    for k, piece in enumerate(text.split(EOT)):  # the one special token of these tokenizers
+        ids += [tokenizer.special_tokens[EOT]] if k else []
+        for chunk in tokenization.split_chunks(piece, _split(tokenizer)):
             chunk_ids = [tokenizer.byte_ids[b] for b in chunk.encode()]
             while pairs := [p for p in zip(chunk_ids, chunk_ids[1:]) if p in tokenizer.merges]:
                 chunk_ids = merge_pair(chunk_ids, pairs[0], tokenizer.merges[pairs[0]])

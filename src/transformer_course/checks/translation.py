@@ -3,16 +3,15 @@ the blocks, the assembled model, label smoothing, the schedule, greedy decoding,
 
 from __future__ import annotations
 
-import functools
 import math
 from collections.abc import Callable
+from functools import partial
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from transformer_course.blocks import ACTIVATIONS, TransformerBlock, residual_sublayer
-from transformer_course.blocks import MLP as ReferenceMLP
+from transformer_course.blocks import ACTIVATIONS, MLP, TransformerBlock, residual_sublayer
 from transformer_course.checks.harness import (
     build_module,
     call,
@@ -41,23 +40,22 @@ from transformer_course.layernorm import LayerNorm
 from transformer_course.masking import padding_mask
 from transformer_course.training import inverse_sqrt_lr
 
-SWAPPED_HINT = "sin and cos are swapped: dims 2i get sin, dims 2i+1 cos."
-HALVES_HINT = "sin and cos should be interleaved (sin in dims 0, 2, ...; cos in dims 1, 3, ...), "
-HALVES_HINT += "not one half each."
-
 
 def check_positional_encoding(fn: Callable[[int, int], Tensor]) -> None:
     """`fn(seq_len, d_model)`: the sinusoidal table of Vaswani et al., (seq_len, d_model)."""
     name = "sinusoidal_positional_encoding"
     hint = "PE[pos, 2i] = sin(pos / 10000^(2i/d_model)), PE[pos, 2i+1] = cos(the same angle)."
     for seq_len, d_model in ((7, 4), (50, 16)):
-        actual, where = call(name, fn, seq_len, d_model), f"{name}({seq_len}, {d_model})"
-        actual = actual.double() if isinstance(actual, Tensor) else actual
+        actual = call(name, fn, seq_len, d_model)
         expected = sinusoidal_positional_encoding(seq_len, d_model, dtype=torch.float64)
         sin, cos = expected[:, 0::2], expected[:, 1::2]
         swapped = torch.stack([cos, sin], dim=-1).flatten(-2)
-        mistakes = {SWAPPED_HINT: swapped, HALVES_HINT: torch.cat([sin, cos], dim=-1)}
-        expect_close(actual, expected, where, hint, mistakes=mistakes)
+        mistakes = {
+            "sin and cos are swapped: dims 2i get sin, dims 2i+1 cos.": swapped,
+            "sin and cos should be interleaved (sin in dims 0, 2, ...; cos in dims 1, 3, ...), "
+            "not one half each.": torch.cat([sin, cos], dim=-1),
+        }
+        expect_close(actual, expected, f"{name}({seq_len}, {d_model})", hint, mistakes=mistakes)
     passed(name)
 
 
@@ -75,61 +73,55 @@ def check_token_embedding(cls: type) -> None:
     actual, hint = call(f"{name}.forward", theirs, tokens), "W_E[tokens] * sqrt(d_model) + PE."
     expect_close(actual, ours(tokens).detach(), name, hint, atol=1e-6, mistakes=mistakes)
     theirs, ours = call(name, cls, 11, 16, 0.5).double(), TokenEmbedding(11, 16, 0.5).double()
-    theirs.load_state_dict(ours.state_dict())
     hint = "apply self.dropout once, to the sum of the scaled embedding and the encoding."
     expect_same_in_train_mode(f"{name}(dropout=0.5)", theirs, ours, tokens, hint=hint)
     passed(name)
 
 
-def _sublayer_mistakes(r: Tensor, f: Callable, ln: LayerNorm, norm: str) -> dict:
-    """The outputs of the classic residual-sublayer bugs on `r`, keyed by their hint."""
-    normed, of_normed, of_r = ln(r), f(ln(r)), f(r)
-    if norm == "pre":
-        return {
-            "this is post-LN; with norm='pre' normalise the sublayer's input and leave the stream "
-            "as it is: resid + dropout(sublayer(ln(resid))).": ln(r + of_r),
-            "only the sublayer's input is normalised: add its output to resid itself, not to "
-            "ln(resid).": normed + of_normed,
-        }
-    pre_ln = "this is pre-LN; with norm='post' return ln(resid + dropout(sublayer(resid)))."
-    return {
-        pre_ln: r + of_normed,
-        "post-LN normalises the sum, ln(resid + out), not ln(resid) + out: the norm comes after "
-        "the residual add.": normed + of_r,
-    }
-
-
+@torch.no_grad()
 def check_residual_sublayer(fn: Callable[..., Tensor]) -> None:
     """`fn(resid, sublayer, ln, *, norm, dropout, hook_out)`: both norms, dropout, hooks."""
     name, resid, weight = "residual_sublayer", 3 * randn(2, 5, 16, seed=7) + 1, randn(16, 16) / 4
     ln, f = perturb(LayerNorm(16).double(), seed=7), lambda x: 2 * torch.tanh(x @ weight)
+    normed = ln(resid)
+    pre_ln = "this is pre-LN; with norm='post' return ln(resid + dropout(sublayer(resid)))."
+    mistakes = {  # by norm: the outputs of the classic bugs, keyed by their hint
+        "pre": {
+            "this is post-LN; with norm='pre' normalise the sublayer's input and leave the stream "
+            "as it is: resid + dropout(sublayer(ln(resid))).": ln(resid + f(resid)),
+            "only the sublayer's input is normalised: add its output to resid itself, not to "
+            "ln(resid).": normed + f(normed),
+        },
+        "post": {
+            pre_ln: resid + f(normed),
+            "post-LN normalises the sum, ln(resid + out), not ln(resid) + out: the norm comes "
+            "after the residual add.": normed + f(resid),
+        },
+    }
 
-    def run(fn: Callable, norm: str, dropout: Callable = lambda t: t, replace=None):
+    def run(fn: Callable, norm: str, dropout: Callable, replace=None):
         seen: list[Tensor] = []
         hook_out = lambda t: seen.append(t.detach()) or (t if replace is None else replace)
         torch.manual_seed(1234)
-        with torch.no_grad():
-            return call(name, fn, resid, f, ln, norm=norm, dropout=dropout, hook_out=hook_out), seen
+        return call(name, fn, resid, f, ln, norm=norm, dropout=dropout, hook_out=hook_out), seen
 
     for norm, dropout in (("pre", None), ("post", None), ("pre", 0.5), ("post", 0.5)):
         train = f", dropout={dropout} in train mode" if dropout else ""
         where = f"{name}(norm={norm!r}{train})"
         drop = torch.nn.Dropout(dropout).train() if dropout else (lambda t: t)
         (actual, seen), (expected, wanted) = run(fn, norm, drop), run(residual_sublayer, norm, drop)
-        with torch.no_grad():
-            mistakes = _sublayer_mistakes(resid, f, ln, norm)
         form = "resid + out" if norm == "pre" else "ln(resid + out)"
-        hint = f"with out = dropout(sublayer(...)), return {form}."
+        hint, wrong = f"with out = dropout(sublayer(...)), return {form}.", mistakes[norm]
         if dropout:
-            hint, mistakes = "apply dropout once, to the sublayer's output, before hook_out.", {}
-        expect_close(actual, expected, where, hint, atol=1e-8, mistakes=mistakes)
+            hint, wrong = "apply dropout once, to the sublayer's output, before hook_out.", {}
+        expect_close(actual, expected, where, hint, atol=1e-8, mistakes=wrong)
         hint = "hook_out gets what is added to the stream: the output after dropout, once."
         once = len(seen) == 1 and torch.allclose(seen[0], wanted[0])
         problem = f"called {len(seen)} times, or with another tensor (before dropout?)."
         expect(once, f"{where}, hook_out", problem, hint)
         patched = run(fn, norm, drop, replace=torch.zeros_like(resid))[0]
         hint = "add what hook_out returns (a hook may replace the tensor), not what you passed it."
-        zero = resid if norm == "pre" else ln(resid).detach()
+        zero = resid if norm == "pre" else normed
         expect_close(patched, zero, f"{where}, a patching hook", hint, atol=1e-8)
     passed(name)
 
@@ -158,58 +150,24 @@ BLOCK_MISTAKES = [  # (what is wrong, as keywords of `_block_output`; the hint n
 def _block_output(block, x, mask=None, context=None, context_mask=None, **wrong) -> Tensor:
     """The reference `block`'s forward pass from its parts, with what is `wrong`."""
     causal = wrong.get("causal", block.causal)
-
-    def sublayer(r: Tensor, f: Callable[[Tensor], Tensor], ln: Callable, first: bool) -> Tensor:
-        stream = ln(r) if first and wrong.get("normed_stream") else r
-        return stream + f(ln(r)) if block.norm == "pre" else ln(stream + f(r))
-
     steps = [(lambda h: block.attn(h, mask=mask, causal=causal), block.ln1)]
     if block.cross_attention and not wrong.get("no_cross"):
         ln_cross = getattr(block, wrong.get("ln_cross", "ln_cross"))
         cross = (lambda h: block.cross_attn(h, context, mask=context_mask), ln_cross)
         steps.insert(0 if wrong.get("cross_first") else 1, cross)
-    for index, (f, ln) in enumerate(steps):
-        x = sublayer(x, f, ln, first=index == 0)
-    return sublayer(x, block.mlp, block.ln2, first=False)
-
-
-def _expect_block(name: str, cls: type, settings: dict, cases: list, hint: str, crash: str):
-    """The learner's block with `settings`: outputs, hook points, dropout, (GPT-2's) the cache."""
-    torch.manual_seed(1)
-    reference = perturb(TransformerBlock(16, 4, 4, 32, **settings).double(), seed=2).eval()
-    block = call(f"{name}.__init__", cls, 16, 4, 4, 32, **settings).double().eval()
-    load_reference_weights(name, block, reference, "ln1, attn, ln_cross, cross_attn, ln2, mlp")
-    for label, args, kwargs in cases:
-        where = f"{name}, {label}"
-        with torch.no_grad():
-            actual = call(where, block, *args, hint=crash or hint, **kwargs)
-            problem = f"expected the stream's shape {tuple(args[0].shape)}, got {shape_of(actual)}."
-            expect(shape_of(actual) == args[0].shape, where, problem, crash or hint)
-            inputs = dict(zip(("x", "mask", "context", "context_mask"), args), **kwargs)
-            mistakes = {h: _block_output(reference, **{**inputs, **w}) for w, h in BLOCK_MISTAKES}
-            expected = reference(*args, **kwargs)
-        expect_close(actual, expected, where, hint, atol=1e-6, mistakes=mistakes)
-    cross = settings["cross_attention"]
-    hooks = {h: f"{h} gets {what}." for h, what in BLOCK_HOOKS.items() if cross or "cross" not in h}
-    expect_hooks(name, block, reference, hooks, *cases[0][1])
-    torch.manual_seed(1)
-    ours = TransformerBlock(16, 4, 4, 32, **settings, dropout=0.3).double()
-    theirs = call(f"{name}.__init__", cls, 16, 4, 4, 32, **settings, dropout=0.3).double()
-    theirs.load_state_dict(ours.state_dict())
-    hint = "give every residual_sublayer dropout=self.dropout, and add no other dropout."
-    expect_same_in_train_mode(f"{name}, dropout=0.3", theirs, ours, *cases[0][1], hint=hint)
-    if settings["causal"] and not settings["cross_attention"]:  # chapter 6's KV cache
-        hint = "pass `cache` on to the self-attention: `self.attn(..., cache=cache)`."
-        expect_cached(f"{name}(x, cache=...)", block, reference, randn(2, 6, 16), [4], hint)
+    for index, (f, ln) in enumerate([*steps, (block.mlp, block.ln2)]):
+        stream = ln(x) if index == 0 and wrong.get("normed_stream") else x
+        x = stream + f(ln(x)) if block.norm == "pre" else ln(stream + f(x))
+    return x
 
 
 def check_seq2seq_block(cls: type) -> None:
-    """`TransformerBlock(...)`: the encoder's and the decoder's block, pre-LN and post-LN."""
+    """`TransformerBlock(...)`, encoder and decoder, both norms: outputs, hooks, dropout, cache."""
     x, context = randn(2, 5, 16, seed=3), randn(2, 4, 16, seed=4)
     mask = padding_mask(torch.tensor([[3, 4, 5, 6, 7], [3, 4, 5, 0, 0]]), 0)
     context_mask = padding_mask(torch.tensor([[3, 4, 5, 6], [3, 4, 0, 0]]), 0)
-    hint = "self-attention (causal=self.causal, mask=mask), with self.cross_attention then the "
-    hint += "cross-attention to context, then the MLP: each a residual_sublayer."
+    order = "self-attention (causal=self.causal, mask=mask), with self.cross_attention then the "
+    order += "cross-attention to context, then the MLP: each a residual_sublayer."
     crash = "the stream has 5 positions and the context 4. Queries come from the stream; keys, "
     crash += "values and context_mask from the context: self.cross_attn(x, context, mask=...)."
     encoder = [("a padding mask", (x, mask), {}), ("mask left at its default", (x,), {})]
@@ -219,28 +177,41 @@ def check_seq2seq_block(cls: type) -> None:
     blocks = [dict(norm=n, act_fn="relu", causal=d, cross_attention=d) for d, n in blocks]
     blocks.append(dict(norm="pre", act_fn="gelu_new", causal=True, cross_attention=False))  # GPT-2
     for settings in blocks:
-        where = f"TransformerBlock({', '.join(f'{k}={v!r}' for k, v in settings.items())})"
-        cross = settings["cross_attention"]
-        _expect_block(where, cls, settings, decoder if cross else encoder, hint, crash * cross)
+        name = f"TransformerBlock({', '.join(f'{k}={v!r}' for k, v in settings.items())})"
+        cases, shape_hint = (decoder, crash) if settings["cross_attention"] else (encoder, order)
+        torch.manual_seed(1)
+        ours = perturb(TransformerBlock(16, 4, 4, 32, **settings, dropout=0.3).double(), seed=2)
+        ours.eval()  # its dropout is off until the train-mode check below
+        block = call(f"{name}.__init__", cls, 16, 4, 4, 32, **settings).double().eval()
+        load_reference_weights(name, block, ours, "ln1, attn, ln_cross, cross_attn, ln2, mlp")
+        for label, args, kwargs in cases:
+            where = f"{name}, {label}"
+            with torch.no_grad():
+                actual = call(where, block, *args, hint=shape_hint, **kwargs)
+                problem = f"expected the stream's shape {tuple(x.shape)}, got {shape_of(actual)}."
+                expect(shape_of(actual) == x.shape, where, problem, shape_hint)
+                inputs = dict(zip(("x", "mask", "context", "context_mask"), args), **kwargs)
+                mistakes = {h: _block_output(ours, **(inputs | w)) for w, h in BLOCK_MISTAKES}
+                expected = ours(*args, **kwargs)
+            expect_close(actual, expected, where, order, atol=1e-6, mistakes=mistakes)
+        hooks = {h: f"{h} gets {what}." for h, what in BLOCK_HOOKS.items() if hasattr(ours, h)}
+        expect_hooks(name, block, ours, hooks, *cases[0][1])
+        theirs = call(f"{name}.__init__", cls, 16, 4, 4, 32, **settings, dropout=0.3).double()
+        hint = "give every residual_sublayer dropout=self.dropout, and add no other dropout."
+        expect_same_in_train_mode(f"{name}, dropout=0.3", theirs, ours, *cases[0][1], hint=hint)
+        if settings["causal"] and not settings["cross_attention"]:  # chapter 6's KV cache
+            hint = "pass `cache` on to the self-attention: `self.attn(..., cache=cache)`."
+            expect_cached(f"{name}(x, cache=...)", block, ours, randn(2, 6, 16), [4], hint)
     passed("TransformerBlock")
 
 
-def _decode(model, tgt: Tensor, memory: Tensor, src_mask: Tensor, without: str) -> Tensor:
-    """The reference's decode without the target's or the source's padding mask (`without`)."""
-    tgt_mask = None if without == "target" else padding_mask(tgt, model.cfg.pad_id)
-    context_mask = None if without == "source" else src_mask
+def _decode_without_tgt_mask(model, tgt: Tensor, memory: Tensor, src_mask: Tensor) -> Tensor:
+    """The reference's decode with no target padding mask (a classic mistake)."""
     x = model.tgt_embed(tgt)
     for block in model.decoder:
-        x = block(x, tgt_mask, context=memory, context_mask=context_mask)
+        x = block(x, None, context=memory, context_mask=src_mask)
     x = model.ln_dec(x) if model.cfg.norm == "pre" else x
     return x @ (model.tgt_embed.W_E.T if model.cfg.tie_embeddings else model.W_U) + model.b_U
-
-
-DECODE_MISTAKES = {  # the padding mask the decoder leaves out: the hint
-    "target": "the target's padding is visible: give every decoder block padding_mask(tgt, pad_id) "
-    "as its mask (the blocks are causal themselves).",
-    "source": "the source padding is visible: pass context_mask=src_mask.",
-}
 
 
 def check_encoder_decoder(cls: type) -> None:
@@ -250,6 +221,9 @@ def check_encoder_decoder(cls: type) -> None:
     src = torch.tensor([[3, 4, 5, 6, 2], [7, 8, 2, 0, 0]])
     tgt = torch.tensor([[1, 9, 10, 11], [1, 12, 0, 0]])
     sizes = dict(src_vocab=13, tgt_vocab=13, d_model=16, n_heads=4, n_layers=2, d_mlp=32, n_ctx=12)
+    target = "the target's padding is visible: give every decoder block padding_mask(tgt, pad_id) "
+    target += "as its mask (the blocks are causal themselves)."
+    source = "the source padding is visible: pass context_mask=src_mask."
     for norm, tie in (("post", True), ("pre", False)):
         cfg = Seq2SeqConfig(**sizes, norm=norm, share_embeddings=tie, tie_embeddings=tie)
         where = f"{name} (norm={norm!r}, tied embeddings={tie})"
@@ -268,7 +242,8 @@ def check_encoder_decoder(cls: type) -> None:
             expect_close(encoded, memory, f"{where}, encode", hint, atol=1e-6, mistakes=mistakes)
             args = tgt, memory, src_mask
             logits = call(f"{name}.decode", theirs.decode, *args)
-            mistakes = {hint: _decode(ours, *args, w) for w, hint in DECODE_MISTAKES.items()}
+            mistakes = {target: _decode_without_tgt_mask(ours, *args)}
+            mistakes[source] = ours.decode(tgt, memory, None)
             hint = "embed the target; each decoder block gets the target padding mask, "
             hint += "context=memory, context_mask=src_mask; (pre-LN) ln_dec; then x @ W_U + b_U."
             wanted, where = ours.decode(*args), f"{where}, decode"
@@ -318,22 +293,21 @@ def check_inverse_sqrt_lr(fn: Callable[..., float]) -> None:
     from_zero = "steps count from 0, so use n = step + 1: step 0 needs a positive rate and the "
     from_zero += "peak comes at step warmup_steps - 1."
     linear = "after warmup the rate falls with the square root of the step, not the step itself."
-    mistakes = {from_zero: functools.partial(_inverse_sqrt, shift=0)}
-    mistakes[linear] = functools.partial(_inverse_sqrt, power=1)
+    mistakes = {from_zero: partial(_inverse_sqrt, shift=0), linear: partial(_inverse_sqrt, power=1)}
     hint = "n = step + 1; return lr * min(n / warmup_steps, sqrt(warmup_steps / n))."
     cases = [dict(lr=1e-3, warmup_steps=100), dict(lr=7e-4, warmup_steps=40)]
     expect_schedule("inverse_sqrt_lr", fn, inverse_sqrt_lr, cases, mistakes, hint)
     passed("inverse_sqrt_lr")
 
 
-TOY = dict(src_vocab=20, tgt_vocab=20, n_heads=2, n_layers=1, n_ctx=16)  # ids 0-2 special
+TOY = dict(src_vocab=20, tgt_vocab=20, d_model=16, n_heads=2, n_layers=1, d_mlp=16, n_ctx=16)
 
 
 class _Toy(EncoderDecoderTransformer):
     """A translator whose next-token probabilities are `rule(first source, position, token)`."""
 
     def __init__(self, rule: Callable[[int, int, int], dict[int, float]]):
-        super().__init__(Seq2SeqConfig(**TOY, d_model=8, d_mlp=8, dropout=0.0))
+        super().__init__(Seq2SeqConfig(**TOY, dropout=0.0))
         self.rule = rule
 
     def encode(self, src: Tensor) -> Tensor:
@@ -354,10 +328,9 @@ def _scripted(end: Callable[[int], int]) -> _Toy:
 
 
 def _random_translator(seed: int, dropout: float = 0.0) -> EncoderDecoderTransformer:
-    """A tiny untrained translator to decode with."""
+    """A tiny untrained translator to decode with (ids 0-2 are special)."""
     torch.manual_seed(seed)
-    cfg = Seq2SeqConfig(**TOY, d_model=16, d_mlp=16, dropout=dropout)
-    return EncoderDecoderTransformer(cfg).eval()
+    return EncoderDecoderTransformer(Seq2SeqConfig(**TOY, dropout=dropout)).eval()
 
 
 def check_greedy_decode(fn: Callable[..., list[list[int]]]) -> None:
@@ -425,7 +398,7 @@ def check_mlp(cls: type) -> None:
     expect_close(call(name, mlp, x), expected, name, hint, mistakes=mistakes)
     for act_fn in ("relu", "gelu", "gelu_new"):
         where = f"{name}(act_fn={act_fn!r})"
-        theirs, reference = call(where, cls, 16, 64, act_fn=act_fn), ReferenceMLP(16, 64, act_fn)
+        theirs, reference = call(where, cls, 16, 64, act_fn=act_fn), MLP(16, 64, act_fn)
         reference.load_state_dict(mlp.state_dict()), theirs.load_state_dict(mlp.state_dict())
         hint = "use the activation the module was built with, ACTIVATIONS[self.act_fn]."
         expect_close(call(where, theirs, x), reference(x).detach(), where, hint)
