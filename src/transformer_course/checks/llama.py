@@ -39,7 +39,7 @@ HF_SIZES = dict(vocab_size=37, hidden_size=16, intermediate_size=24, num_hidden_
 HF_SIZES |= dict(num_attention_heads=4, head_dim=6, max_position_embeddings=16)  # CFG's
 HF_SIZES["rope_parameters"] = {"rope_type": "default", "rope_theta": 100.0}
 CUTS = (3, 4, 5)  # where a KV cache's calls cut 7 positions: a prompt, two single tokens, two
-FROM_ZERO = torch.tensor([0, 1, 2, 0, 0, 0, 1])  # their positions, restarting at each call
+FROM_ZERO = torch.cat([torch.arange(len(p)) for p in torch.arange(7).tensor_split(CUTS)])
 GQA_OPTIONS = dict(n_ctx=16, rope_theta=100.0)
 THETA = "theta in the wrong place: pair i turns by p * theta^(-2i / d_head): "
 ANGLE_MISTAKES = {
@@ -292,7 +292,7 @@ def check_grouped_query_attention(cls: type) -> None:
             expected, wrong_start = reference(x), {START_HINT: _gqa(reference, x, FROM_ZERO)}
             wrong = {h: _gqa(reference, x, **k) for h, k in GQA_MISTAKES.items()}
             keys = x[:, None] @ reference.W_K  # (batch, kv_head, pos, d_head), then RoPE
-            keys = rope.apply_rope(keys, torch.arange(7), GQA_OPTIONS["rope_theta"])
+            keys = rope.apply_rope(keys, torch.arange(x.shape[1]), GQA_OPTIONS["rope_theta"])
         for fast in (False, True):
             module.fast_path, at = fast, f"{where}, fast_path={fast}"
             expect_close(call(at, module, x), expected, at, GQA_HINT, atol=1e-8, mistakes=wrong)
