@@ -380,6 +380,13 @@ def test_generate_rejects_an_ignored_generator():
     fails(check_generate, global_rng, "same generator seed", "generator=generator")
 
 
+def test_generate_that_returns_float_ids_is_named():
+    def float_ids(model, tokens, max_new_tokens, **options):
+        return generate(model, tokens, max_new_tokens, **options).float()
+
+    fails(check_generate, float_ids, "int64 tensor of shape (4000, 2), got a float32 tensor")
+
+
 # Top-p filtering and the training step.
 
 
@@ -526,6 +533,19 @@ def test_sample_batch_with_shifted_token_ids_is_caught():
     fails(check_sample_batch, adds_one, "not x shifted by one token", "next tokens")
 
 
+def test_sample_batch_that_returns_lists_or_ids_not_in_data_is_named():
+    def lists(data, batch_size, n_ctx, *, generator=None):
+        return tuple(t.tolist() for t in sample_batch(data, batch_size, n_ctx, generator=generator))
+
+    fails(check_sample_batch, lists, "shape (64, 8) and dtype int64, got ([[")
+
+    def far_targets(data, batch_size, n_ctx, *, generator=None):
+        x, y = sample_batch(data, batch_size, n_ctx, generator=generator)
+        return x, y + len(data)  # past every id of data
+
+    fails(check_sample_batch, far_targets, "y is not x shifted by one token")
+
+
 # The KV cache.
 
 
@@ -613,6 +633,25 @@ def test_kv_cache_that_returns_the_old_cache_is_caught():
         return logits, longer if cache is None else cache
 
     fails(check_kv_cache, keeps_old, "not appended")
+
+
+def test_kv_cache_that_is_not_pairs_of_tensors_is_named():
+    def listed_keys(model, tokens, cache=None):
+        logits, pairs = forward_with_cache(model, tokens, cache)
+        return logits, [(k.tolist(), v) for k, v in pairs]
+
+    fails(check_kv_cache, listed_keys, "a pair (keys, values)", "got [['list', (2, 2, 5, 8)]")
+
+    def keys_only(model, tokens, cache=None):
+        logits, pairs = forward_with_cache(model, tokens, cache)
+        return logits, [k for k, _ in pairs]
+
+    fails(check_kv_cache, keys_only, "got [(2, 2, 5, 8), (2, 2, 5, 8)]")
+
+    def numbers(model, tokens, cache=None):
+        return forward_with_cache(model, tokens, cache)[0], [1, 2]
+
+    fails(check_kv_cache, numbers, "got ['int', 'int']")
 
 
 # Hugging Face's weights.
@@ -938,3 +977,19 @@ def test_against_huggingface_passes_a_converted_model_and_names_the_stage_that_d
         model.blocks[1].mlp.b_out += 0.1
     against = lambda model: check_against_huggingface(model, hf, tokens)
     fails(against, model, "block 1", "differs by up to 0.1", "TransformerBlock")
+
+
+def test_against_huggingface_names_a_forward_that_returns_no_logits():
+    from transformers import GPT2Config as HFConfig
+    from transformers import GPT2LMHeadModel
+
+    class Tupled(GPT2):
+        def forward(self, tokens):
+            return (super().forward(tokens),)
+
+    sizes = dict(n_layer=2, n_head=2, n_embd=16, n_positions=10, vocab_size=29)
+    torch.manual_seed(0)
+    hf = GPT2LMHeadModel(HFConfig(**sizes, bos_token_id=0, eos_token_id=0))
+    tokens = torch.randint(29, (2, 10), generator=torch.Generator().manual_seed(1))
+    against = lambda model: check_against_huggingface(model, hf, tokens)
+    fails(against, Tupled.from_huggingface(hf), "logits", "expected shape (2, 10, 29), got tuple")

@@ -56,11 +56,10 @@ def check_embed(cls: type) -> None:
     """`Embed(cfg)`: parameter `W_E (d_vocab, d_model)`; `forward(tokens)` looks up each row."""
     name, tokens = "Embed", _tokens()
     embed = build_module(name, cls, CFG, params={"W_E": (CFG.d_vocab, CFG.d_model)})
-    embed = perturb(embed, 0, 1.0)
-    expected, actual = F.embedding(tokens, embed.W_E.detach()), call(name, embed, tokens)
+    expected = F.embedding(tokens, perturb(embed, 0, 1.0).W_E.detach())
     scaled = {"the embeddings are scaled by sqrt(d_model); GPT-2 uses W_E[tokens].": expected * 4}
     hint = "row t of W_E is the embedding of token id t: index W_E with the tokens."
-    expect_close(actual, expected, name, hint, mistakes=scaled)
+    expect_close(call(name, embed, tokens), expected, name, hint, mistakes=scaled)
     passed(name)
 
 
@@ -118,7 +117,6 @@ def check_gpt2_forward(cls: type) -> None:
 
 def check_top_p_filter(fn: Callable[..., torch.Tensor]) -> None:
     """`fn(logits, top_p)`: keep each row's fewest likeliest tokens reaching top_p; -inf else."""
-    name = "top_p_filter"
     logits = randn(4, 11, seed=12) * torch.tensor([[0.5], [1], [2], [4]], dtype=torch.float64)
     probs, order = logits.softmax(-1).sort(-1, descending=True)
     hint = "sort each row's probabilities (softmax, not raw logits) in descending order, cumsum."
@@ -132,10 +130,10 @@ def check_top_p_filter(fn: Callable[..., torch.Tensor]) -> None:
             "to vocabulary order.": logits.masked_fill(before, -math.inf),
             "return the kept logits unchanged.": top_p_filter(logits, top_p).log_softmax(-1),
         }
-        where = f"{name}(logits of 4 different rows, top_p={top_p})"
+        where = f"top_p_filter(logits of 4 different rows, top_p={top_p})"
         actual = call(where, fn, logits.clone(), top_p)
         expect_close(actual, top_p_filter(logits, top_p), where, hint, mistakes=mistakes)
-    passed(name)
+    passed("top_p_filter")
 
 
 def _sampling(logits: torch.Tensor, steps: str, temperature=1.0, top_k=None, top_p=None):
@@ -171,9 +169,10 @@ def _expect_sampling(name: str, fn: Callable, model: GPT2, one: torch.Tensor, **
     n, where = 4000, f"{name}({', '.join(f'{k}={v}' for k, v in options.items())})"
     torch.manual_seed(5)
     drawn = call(where, fn, model, one.expand(n, -1), 1, **options)
-    expect(shape_of(drawn) == (n, 2), where, f"expected shape ({n}, 2), got {shape_of(drawn)}.")
+    problem = f"expected token ids, an int64 tensor of shape ({n}, 2), got {describe(drawn)}."
+    expect(shape_of(drawn) == (n, 2) and drawn.dtype == torch.int64, where, problem)
     logits = model(one)[0, -1].detach().double()
-    freq = torch.bincount(drawn[:, -1], minlength=CFG.d_vocab).double() / n
+    freq = (drawn[:, -1:] == torch.arange(CFG.d_vocab)).double().mean(0)  # ids out of range: none
     wanted = _sampling(logits, "tkp", **options)
     worst = (freq - wanted).abs().max()
     if worst < 0.03 and not freq[wanted == 0].any():  # about 4 standard errors
@@ -260,9 +259,11 @@ def check_against_huggingface(model: torch.nn.Module, hf_model: torch.nn.Module,
     stages["last block and ln_final"] = (final, "the last block, then ln_final.")
     stages["logits"] = (logits, "unembed: x @ W_U + b_U, W_U the transpose of lm_head.weight.")
     for (stage, (ours, hint)), theirs in zip(stages.items(), [*hf.hidden_states, hf.logits]):
+        where, shape, got = f"{name}, {stage}", tuple(theirs.shape), shape_of(ours)
+        expect(got == shape, where, f"expected shape {shape}, got {got}.", hint)
         worst = (ours.float() - theirs.float()).abs().max().item()
         print(f"{stage:<24} max |difference| {worst:.1e}")
-        expect(worst < 1e-4, f"{name}, {stage}", f"differs by up to {worst:.3g}.", hint)
+        expect(worst < 1e-4, where, f"differs by up to {worst:.3g}.", hint)
     passed(name)
 
 
@@ -272,11 +273,13 @@ def _windows(name: str, fn: Callable, data, position, batch_size: int, n_ctx: in
     hint = "an index ran past the end of data? The targets of the last window end at data[-1], "
     hint += "so a window starts at most at len(data) - n_ctx - 1 (randint's high is exclusive)."
     out = call(where, fn, data, batch_size, n_ctx, generator=generator, hint=hint)
-    shapes = [(shape_of(t), t.dtype) for t in out] if isinstance(out, tuple) else describe(out)
+    pair = isinstance(out, tuple) and all(isinstance(t, torch.Tensor) for t in out)
+    shapes = [(shape_of(t), t.dtype) for t in out] if pair else describe(out)
     problem = f"expected x and y of shape {(batch_size, n_ctx)} and dtype int64, got {shapes}."
     hint = "one window per row, indexing data so that the ids keep their dtype."
     expect(shapes == [((batch_size, n_ctx), data.dtype)] * 2, where, problem, hint)
-    (px, py), hint = (position[t] for t in out), "each row is data[start : start + n_ctx]."
+    px, py = (position[t.clamp(0, len(position) - 1)] for t in out)  # ids not in data: -n
+    hint = "each row is data[start : start + n_ctx]."
     expect(bool((px.diff(dim=1) == 1).all()), where, "a row of x is not a window of data.", hint)
     hint = "the targets are the next tokens: y = data[start + 1 : start + n_ctx + 1]."
     mistakes = {"the targets are the inputs themselves; " + hint: px}
@@ -289,8 +292,8 @@ def _windows(name: str, fn: Callable, data, position, batch_size: int, n_ctx: in
 def check_sample_batch(fn: Callable) -> None:
     """`sample_batch(data, batch_size, n_ctx, *, generator=None) -> (x, y)`."""
     name, n = "sample_batch", 1000
-    # Distinct ids in a shuffled order, so an id says where in data it was taken from.
-    data, position = torch.randperm(n, generator=seeded(18)) + 3, torch.full((n + 3,), -n)
+    # Distinct ids 3 to n + 2 shuffled, so an id says where in data it was taken from (others: -n).
+    data, position = torch.randperm(n, generator=seeded(18)) + 3, torch.full((n + 4,), -n)
     position[data] = torch.arange(n)
     windows = _windows(name, fn, data, position, 64, 8, seeded(19)).unique().numel()
     where, hint = f"{name}(batch_size=64)", "draw one start per row: (batch_size,)."
@@ -313,6 +316,7 @@ def check_sample_batch(fn: Callable) -> None:
 
 
 KV_CHUNKS = (5, 1, 1, 1, 3)  # a prompt, three tokens one at a time, then three at once
+KV_CALLS = [(new, sum(KV_CHUNKS[:i])) for i, new in enumerate(KV_CHUNKS)]  # (new, cached) each
 KV_KEYS = "the new queries attend to the wrong keys: each sees every cached key and the new keys "
 KV_MISTAKES = {  # what is wrong, as `_cached_logits`'s `wrong`: the hint
     "positions": "the new tokens' positions do not count the cached ones: token i of the new ones "
@@ -327,20 +331,21 @@ KV_MISTAKES = {  # what is wrong, as `_cached_logits`'s `wrong`: the hint
 def _replay(name: str, fn: Callable, model: GPT2, tokens: torch.Tensor, chunks) -> torch.Tensor:
     """The logits of `tokens` fed to the learner's `fn` in `chunks`, each with the last cache."""
     cache, start, logits, (batch, n_layers) = None, 0, [], (tokens.shape[0], model.cfg.n_layers)
+    shapes_in = lambda p: [shape_of(t) for t in p] if isinstance(p, (list, tuple)) else shape_of(p)
     for new in chunks:
         where = f"{name}(model, {new} new token{'s' * (new > 1)}, a cache of {start} positions)"
-        with torch.no_grad():
-            out = call(where, fn, model, tokens[:, start : start + new], cache)
+        out = call(where, fn, model, tokens[:, start : start + new], cache)
         expect(isinstance(out, tuple) and len(out) == 2, where, "expected (logits, cache).")
         (chunk, cache), start = out, start + new
         shape = (batch, new, model.cfg.d_vocab)
         problem = f"expected logits of shape {shape} (batch, new, d_vocab), got {shape_of(chunk)}."
         expect(shape_of(chunk) == shape, where, problem)
         pairs = isinstance(cache, (list, tuple)) and len(cache) == n_layers
-        shapes = [[shape_of(t) for t in pair] for pair in cache] if pairs else describe(cache)
+        shapes = [shapes_in(pair) for pair in cache] if pairs else describe(cache)
         shape = (batch, model.cfg.n_heads, start, model.cfg.d_head)
         hint = "return [(k, v) for each block], each (batch, n_heads, positions so far, d_head)."
-        if pairs and any(len(s) == 4 and s[2] < start for pair in shapes for s in pair):
+        stale = lambda s, start=start: isinstance(s, tuple) and len(s) == 4 and s[2] < start
+        if pairs and any(stale(s) for pair in shapes for s in pair):
             hint = "the cache was not appended to: torch.cat the new keys and values to it."
         problem = f"expected per block a pair (keys, values), each of shape {shape}; got {shapes}."
         expect(shapes == [[shape] * 2] * n_layers, where, problem, hint)
@@ -350,8 +355,8 @@ def _replay(name: str, fn: Callable, model: GPT2, tokens: torch.Tensor, chunks) 
 
 def _cached_logits(model: GPT2, tokens: torch.Tensor, wrong: str) -> torch.Tensor:
     """The reference's logits fed in KV_CHUNKS, with what is `wrong` (a key of KV_MISTAKES)."""
-    caches, start, logits = [LayerCache() for _ in model.blocks], 0, []
-    for new in KV_CHUNKS:
+    caches, logits = [LayerCache() for _ in model.blocks], []
+    for new, start in KV_CALLS:
         end, first = start + new, 0 if wrong == "positions" else start
         right = causal_mask(new, end)
         masks = {"top left": causal_mask(end)[:new], "together": None if start else right}
@@ -360,22 +365,19 @@ def _cached_logits(model: GPT2, tokens: torch.Tensor, wrong: str) -> torch.Tenso
             x = x + block.attn(block.ln1(x), mask=masks.get(wrong, right), cache=cache)
             x = x + block.mlp(block.ln2(x))
         logits.append(model.unembed(model.ln_final(x)))
-        start = end
     return torch.cat(logits, dim=1)
 
 
 def check_kv_cache(fn: Callable) -> None:
     """`forward_with_cache(model, tokens, cache=None) -> (logits, cache)`, float64, 1e-6."""
-    name, model = "forward_with_cache", _reference_model(seed=5).double()
+    name, model = "forward_with_cache", _reference_model(seed=5).double().requires_grad_(False)
     tokens = _tokens(batch=2, pos=sum(KV_CHUNKS), seed=16)
     logits = _replay(name, fn, model, tokens, KV_CHUNKS)
-    expected = model(tokens).detach()
     mistakes = {h: _cached_logits(model, tokens, w) for w, h in KV_MISTAKES.items()}
-    error = (logits.double() - expected).abs().nan_to_num(math.inf).amax(dim=(0, 2))
+    error = (logits.double() - model(tokens)).abs().nan_to_num(math.inf).amax(dim=(0, 2))
     if (error > 1e-6).any():
         position = int((error > 1e-6).nonzero()[0])
-        calls = max(i for i in range(len(KV_CHUNKS)) if sum(KV_CHUNKS[:i]) <= position)
-        new, cached = KV_CHUNKS[calls], sum(KV_CHUNKS[:calls])
+        new, cached = next((new, cached) for new, cached in KV_CALLS if position < cached + new)
         where = f"{name}, position {position}, in the call with {new} new token{'s' * (new > 1)} "
         where += f"after {cached} cached ones"
         problem = "the logits differ from model(tokens)'s (tolerance 1e-6, float64)."

@@ -75,9 +75,8 @@ def check_padding_mask(fn: Callable[..., torch.Tensor]) -> None:
         (torch.tensor([[3, 3, 50257, 50257]]), 50257),
     ):
         actual, expected = call(name, fn, tokens, pad_id), masking.padding_mask(tokens, pad_id)
-        queries = shape_of(actual) == (*tokens.shape[:1], 1, tokens.shape[1], 1)
         hint = "padding is a property of keys: (batch, 1, 1, k_pos) hides them from every query."
-        expect(not queries, name, "it masks *queries*, not keys.", hint)
+        expect(shape_of(actual) != expected.mT.shape, name, "it masks *queries*, not keys.", hint)
         _expect_bool_mask(actual, expected, name, "add head and query axes: [:, None, None, :].")
         inverted = "the mask is inverted: real tokens are True, padding False (tokens != pad_id)."
         hint = "compare tokens with pad_id, then add the head and query axes: [:, None, None, :]."
@@ -152,9 +151,8 @@ def check_masked_softmax(fn: Callable[..., torch.Tensor]) -> None:
         problem = "the weights of a query (a row) do not sum to one."
         expect(torch.allclose(sums, torch.ones_like(sums), atol=1e-5), where, problem, hint)
         hint = OVERFLOW_HINT if scale > 1 else "softmax over the last dim of the filled scores."
-        atol, rtol = (1e-10, 1e-8) if scale == 1 else (1e-5, 1e-4)
-        expected = masking.masked_softmax(scores, mask)
-        expect_close(actual, expected, where, hint, atol=atol, rtol=rtol)
+        tolerance = {"atol": 1e-10, "rtol": 1e-8} if scale == 1 else {"atol": 1e-5, "rtol": 1e-4}
+        expect_close(actual, masking.masked_softmax(scores, mask), where, hint, **tolerance)
     empty = torch.tensor([[1, 0, 1, 0], [0, 0, 0, 0], [1, 1, 1, 1]], dtype=torch.bool)
     nan = "softmax over a row that is all -inf is 0/0 = NaN. Fill with a large *finite* "
     nan += "negative number, `torch.finfo(scores.dtype).min`, and zero the empty rows."

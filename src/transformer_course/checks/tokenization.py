@@ -4,7 +4,6 @@ counting, merging, training, encoding and decoding, and the whole encoder (pre-s
 from __future__ import annotations
 
 import copy
-from collections import Counter
 from collections.abc import Callable
 
 import regex
@@ -100,10 +99,10 @@ def check_merge_pair(fn: Callable) -> None:
     passed("merge_pair")
 
 
-def _most_frequent(chunks: dict[tuple, int], pair: tuple, weighted: bool = True) -> bool:
-    """Whether `pair` has the highest count over `chunks` (each weighted by its count, or not)."""
+def _most_frequent(chunks: list[tuple], pair: tuple, weighted: bool = True) -> bool:
+    """Whether `pair` has the highest count over `chunks`, [(ids, count)], weighted or not."""
     counts: dict = {}
-    for chunk, weight in chunks.items():
+    for chunk, weight in chunks:
         tokenization.get_pair_counts(chunk, counts, weight if weighted else 1)
     return counts.get(pair, 0) == max(counts.values())
 
@@ -121,7 +120,7 @@ def check_train_merges(fn: Callable) -> None:
         got = len(merges) if isinstance(merges, dict) else describe(merges)
         problem = f"expected a dict of {num_merges} merges {{pair: new_id}}, got {got}."
         expect(got == num_merges, where, problem, "loop until you have num_merges merges.")
-        chunks = {tuple(chunk): weight for chunk, weight in chunk_counts.items()}
+        chunks = [(list(chunk), weight) for chunk, weight in chunk_counts.items()]
         for step, (pair, new_id) in enumerate(merges.items()):
             problem, hint = f"merge {step} created id {new_id}.", "new ids count up from 256."
             expect(new_id == 256 + step, where, problem, hint)
@@ -130,10 +129,7 @@ def check_train_merges(fn: Callable) -> None:
                 hint = OVERLAP_HINT + " Also recount (or update) the pair counts after every merge."
             problem = f"merge {step} chose {pair}, which is not the most frequent pair then."
             expect(_most_frequent(chunks, pair), where, problem, hint)
-            merged: Counter = Counter()
-            for chunk, weight in chunks.items():
-                merged[tuple(merge_pair(list(chunk), pair, new_id))] += weight
-            chunks = dict(merged)
+            chunks = [(merge_pair(chunk, pair, new_id), weight) for chunk, weight in chunks]
     passed(name)
 
 
