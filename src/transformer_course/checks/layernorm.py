@@ -94,8 +94,7 @@ def _check_norm(name: str, cls: type, centre: bool) -> None:
             wrong = {h: _norm(x, w, b, **{"eps": eps, "centre": centre, **k}) for h, k in table}
             actual, where, expected = call(f"{name}.forward", module, x), name, norm(x, w, b, eps)
             expect_close(actual, expected, where, how, atol=1e-6, rtol=1e-5, mistakes=wrong)
-    ours = reference(D_MODEL, eps=BIG_EPS).double()
-    ours.load_state_dict(module.state_dict())
+    (ours := reference(D_MODEL, eps=BIG_EPS).double()).load_state_dict(module.state_dict())
     what = "standard deviation" if centre else "root mean square"
     hooks = {"hook_scale": f"the {what} each vector is divided by, shape (*batch, 1),"}
     hooks["hook_normalized"] = f"the normalised vector, before {' and '.join(params)},"
