@@ -344,8 +344,8 @@ def _replay(name: str, fn: Callable, model: GPT2, tokens: torch.Tensor, chunks) 
         shapes = [shapes_in(pair) for pair in cache] if pairs else describe(cache)
         shape = (batch, model.cfg.n_heads, start, model.cfg.d_head)
         hint = "return [(k, v) for each block], each (batch, n_heads, positions so far, d_head)."
-        stale = lambda s, start=start: isinstance(s, tuple) and len(s) == 4 and s[2] < start
-        if pairs and any(stale(s) for pair in shapes for s in pair):
+        kept = [s[2] for pair in shapes for s in pair if isinstance(s, tuple) and len(s) == 4]
+        if pairs and any(positions < start for positions in kept):
             hint = "the cache was not appended to: torch.cat the new keys and values to it."
         problem = f"expected per block a pair (keys, values), each of shape {shape}; got {shapes}."
         expect(shapes == [[shape] * 2] * n_layers, where, problem, hint)
