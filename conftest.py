@@ -46,12 +46,15 @@ def _is_book_cell(item) -> bool:
 def pytest_configure(config):
     """Under pytest-xdist (`-n N`), share the cores: each worker, and each notebook kernel it
     starts, gets cores / N threads. Small models gain little from a second thread, so two
-    workers with one thread each finish the suite sooner than one worker with two."""
+    workers with one thread each finish the suite sooner than one worker with two. An
+    `OMP_NUM_THREADS` set by whoever runs the suite wins: `OMP_NUM_THREADS=2 pytest -n 2` runs
+    every kernel on two threads (the claims must hold at any thread count)."""
     if not hasattr(config, "workerinput"):  # the controller, before any worker runs a page
         shutil.rmtree(HANDED_OFF_DIR, ignore_errors=True)
     workers = os.environ.get("PYTEST_XDIST_WORKER_COUNT")
     if workers:
-        threads = str(max(1, (os.cpu_count() or 1) // int(workers)))
+        cores_each = str(max(1, (os.cpu_count() or 1) // int(workers)))
+        threads = os.environ.get("OMP_NUM_THREADS") or cores_each
         for name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
             os.environ[name] = threads
         if "torch" in sys.modules:  # already imported: the variables came too late for it

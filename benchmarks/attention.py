@@ -22,7 +22,11 @@ backward pass, which is where the materialised pattern costs memory. On CUDA
 `torch.cuda.max_memory_allocated` does the same job. (The profiler logs two `USDT` lines per
 measurement on stderr.)
 
+`--shape BATCH SEQ D_MODEL N_HEADS` (repeatable) measures those shapes instead of the two in
+`CONFIGS`, e.g. `--shape 2 32 64 4 --repeats 1` for a run of a few seconds.
+
 Usage: python benchmarks/attention.py [--repeats 5] [--threads 1] [--device cpu]
+                                      [--shape BATCH SEQ D_MODEL N_HEADS ...]
 """
 
 from __future__ import annotations
@@ -155,7 +159,23 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--device", default="cpu")
+    parser.add_argument(
+        "--shape",
+        type=int,
+        nargs=4,
+        action="append",
+        metavar=("BATCH", "SEQ", "D_MODEL", "N_HEADS"),
+        help="measure this shape instead of the default two (repeatable)",
+    )
     args = parser.parse_args()
+    configs = CONFIGS
+    if args.shape:
+        configs = [dict(zip(("batch", "seq", "d_model", "n_heads"), shape)) for shape in args.shape]
+    for cfg in configs:
+        if min(cfg.values()) < 1 or cfg["d_model"] % cfg["n_heads"]:
+            parser.error(f"--shape: expected positive ints, d_model a multiple of n_heads: {cfg}")
+    if args.repeats < 1:
+        parser.error(f"--repeats: expected an int >= 1, got {args.repeats}")
     torch.manual_seed(0)
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
@@ -163,7 +183,7 @@ def main() -> None:
         f"torch {torch.__version__}, device {device}, {torch.get_num_threads()} thread(s), "
         f"float32, causal mask, median of {args.repeats} forward+backward steps"
     )
-    for cfg in CONFIGS:
+    for cfg in configs:
         fns, x = implementations(cfg, device)
         times = time_all(fns, x, args.repeats, device)
         label = ", ".join(f"{k} {v}" for k, v in cfg.items())

@@ -7,7 +7,11 @@ ours / PyTorch says what that readability costs. Timings are medians of `--repea
 the implementations interleaved within each round so that load from other processes hits
 both alike.
 
+`--shape BATCH POS D_MODEL` (repeatable) measures those shapes instead of the three in `SHAPES`,
+e.g. `--shape 2 16 32 --repeats 1 --iters 1` for a run of a few seconds.
+
 Usage: python benchmarks/layernorm.py [--repeats 7] [--threads 1] [--device cpu]
+                                      [--shape BATCH POS D_MODEL ...]
 """
 
 from __future__ import annotations
@@ -50,7 +54,21 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=10, help="forward+backward calls per round")
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     parser.add_argument("--device", default="cpu")
+    parser.add_argument(
+        "--shape",
+        type=int,
+        nargs=3,
+        action="append",
+        metavar=("BATCH", "POS", "D_MODEL"),
+        help="measure this shape instead of the default three (repeatable)",
+    )
     args = parser.parse_args()
+    shapes = [tuple(shape) for shape in args.shape] if args.shape else SHAPES
+    for flag, value in [("--repeats", args.repeats), ("--iters", args.iters)] + [
+        ("--shape", size) for shape in shapes for size in shape
+    ]:
+        if value < 1:
+            parser.error(f"{flag}: expected an int >= 1, got {value}")
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
     print(
@@ -58,7 +76,7 @@ def main() -> None:
         f"median of {args.repeats} rounds x {args.iters} forward+backward"
     )
     print(f"{'norm':8s} {'shape':>16s} {'ours ms':>9s} {'torch ms':>9s} {'ours/torch':>11s}")
-    for shape in SHAPES:
+    for shape in shapes:
         d_model = shape[-1]
         x = torch.randn(shape, device=device, requires_grad=True)
         upstream = torch.randn(shape, device=device)

@@ -17,9 +17,11 @@ medians of `--repeats` rounds with the implementations alternating so machine lo
 * bytes per token of both on the same text.
 
 Hugging Face runs on `--threads` threads (default 1, a like-for-like comparison with Python).
+`--max-chars N` keeps only the first N characters of each text, for a quick run (a few seconds
+with `--max-chars 20000 --vocab-size 512 --repeats 1`); the README's figures use whole texts.
 
 Usage: python benchmarks/tokenization.py [--vocab-size 4096] [--repeats 5] [--threads 1]
-                                         [--gpt2-only]
+                                         [--gpt2-only] [--max-chars N]
 """
 
 from __future__ import annotations
@@ -36,14 +38,18 @@ def timed(fn, *args, **kwargs):
     return time.perf_counter() - start, result
 
 
-def gpt2_files(repeats: int) -> None:
+def truncated(max_chars: int | None) -> str:
+    return "" if max_chars is None else f" (first {max_chars:,} characters)"
+
+
+def gpt2_files(repeats: int, max_chars: int | None = None) -> None:
     """Encode wikitext-2 with GPT-2's files: the course against tiktoken and Hugging Face."""
     import tiktoken
     from tiktoken.load import data_gym_to_mergeable_bpe_ranks
     from transformers import GPT2TokenizerFast
 
-    from transformer_course.data import fetch, load_gpt2_tokenizer, load_text
-    from transformer_course.tokenization import BPETokenizer
+    from transformer_course.data import fetch, load_text
+    from transformer_course.tokenization import BPETokenizer, load_gpt2_tokenizer
     from transformer_course.tokenizer_files import read_gpt2_files
 
     encoder_json, vocab_bpe = str(fetch("gpt2", "encoder.json")), str(fetch("gpt2", "vocab.bpe"))
@@ -69,7 +75,7 @@ def gpt2_files(repeats: int) -> None:
         "tiktoken": lambda tok, text: tok.encode_ordinary(text),
         "HF fast": lambda tok, text: tok(text)["input_ids"],
     }
-    text = load_text("wikitext-2-valid") + load_text("wikitext-2-test")
+    text = (load_text("wikitext-2-valid") + load_text("wikitext-2-test"))[:max_chars]
     n_bytes = len(text.encode("utf-8"))
     build: dict[str, list[float]] = {name: [] for name in builders}
     encode: dict[str, list[float]] = {name: [] for name in builders}
@@ -84,8 +90,8 @@ def gpt2_files(repeats: int) -> None:
             assert ids[name] == ids["tiktoken"], f"{name} ids differ from tiktoken's"
     base = statistics.median(encode["tiktoken"])
     print(
-        f"GPT-2's files, wikitext-2 valid + test: {n_bytes:,} bytes, {len(ids['tiktoken']):,} "
-        f"tokens, identical ids; median of {repeats}, fresh tokenizers"
+        f"GPT-2's files, wikitext-2 valid + test{truncated(max_chars)}: {n_bytes:,} bytes, "
+        f"{len(ids['tiktoken']):,} tokens, identical ids; median of {repeats}, fresh tokenizers"
     )
     for name in builders:
         seconds = statistics.median(encode[name])
@@ -97,7 +103,7 @@ def gpt2_files(repeats: int) -> None:
     print("  goal: course <= 3x tiktoken's time")
 
 
-def training(vocab_size: int, repeats: int, threads: int) -> None:
+def training(vocab_size: int, repeats: int, threads: int, max_chars: int | None = None) -> None:
     """Train on Tiny Shakespeare and encode it: the course against Hugging Face `tokenizers`."""
     import tokenizers
     from tokenizers import pre_tokenizers, trainers
@@ -105,7 +111,7 @@ def training(vocab_size: int, repeats: int, threads: int) -> None:
     from transformer_course.data import load_text
     from transformer_course.tokenization import GPT2_SPLIT_PATTERN, BPETokenizer
 
-    text = load_text("tinyshakespeare")
+    text = load_text("tinyshakespeare")[:max_chars]
     n_bytes = len(text.encode("utf-8"))
 
     def train_hf() -> tokenizers.Tokenizer:
@@ -136,8 +142,8 @@ def training(vocab_size: int, repeats: int, threads: int) -> None:
     median = {name: statistics.median(values) for name, values in times.items()}
 
     print(
-        f"Tiny Shakespeare, {n_bytes:,} bytes; vocab {vocab_size}; median of {repeats}; "
-        f"HF threads {threads}"
+        f"Tiny Shakespeare{truncated(max_chars)}, {n_bytes:,} bytes; vocab {vocab_size}; "
+        f"median of {repeats}; HF threads {threads}"
     )
     train_ours, train_hf_s = median["train ours"], median["train hf"]
     print(
@@ -158,12 +164,18 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--threads", type=int, default=1, help="threads for Hugging Face")
     parser.add_argument("--gpt2-only", action="store_true", help="only part 1, GPT-2's real files")
+    parser.add_argument(
+        "--max-chars", type=int, help="only the first N characters of each text (a quick run)"
+    )
     args = parser.parse_args()
+    for flag, value in (("--repeats", args.repeats), ("--max-chars", args.max_chars)):
+        if value is not None and value < 1:
+            parser.error(f"{flag}: expected an int >= 1, got {value}")
     os.environ["RAYON_NUM_THREADS"] = str(args.threads)  # read when tokenizers starts its pool
 
-    gpt2_files(args.repeats)
+    gpt2_files(args.repeats, args.max_chars)
     if not args.gpt2_only:
-        training(args.vocab_size, args.repeats, args.threads)
+        training(args.vocab_size, args.repeats, args.threads, args.max_chars)
 
 
 if __name__ == "__main__":

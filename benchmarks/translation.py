@@ -10,10 +10,14 @@ most host and device time.
 
 `--compile` compiles the model with dynamic shapes (the buckets give a few lengths each side).
 
-`curve` trains one setup and prints validation BLEU (greedy, all references) against training
-time, to choose how long the full profile trains:
+`curve` trains one setup, the profile's with any of `--batch-size`, `--lr`, `--warmup` and
+`--dropout` changed, and prints validation BLEU (greedy, all references) against training time,
+to choose how long the full profile trains:
 
     python benchmarks/translation.py curve --batch-size 512 --lr 1e-3 --warmup 800 --max-steps 3000
+
+`--profile quick --max-words 3` with a few steps (`--steps 1 --warmup 1`, or `curve --max-steps
+1`) runs either in seconds on a CPU.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ from transformer_course.translation import (
     ATTENTION_BACKENDS,
     SETUPS,
     LengthBatches,
+    TranslationSetup,
     corpus_bleu,
     load_splits,
     model_config,
@@ -90,9 +95,15 @@ def sync(device):
         torch.cuda.synchronize()
 
 
+def profile_setup(args) -> TranslationSetup:
+    """The profile's setup, with `--max-words` when given."""
+    setup = SETUPS[args.profile]
+    return setup if args.max_words is None else replace(setup, max_words=args.max_words)
+
+
 def speed(args) -> None:
     device = get_device()
-    base = SETUPS[args.profile]
+    base = profile_setup(args)
     tokenizer = tokenizer_for(base)
     pairs = load_splits(base.max_words)["train"]
     print(f"device {device}; {len(pairs)} training pairs; setup {base}", flush=True)
@@ -140,13 +151,10 @@ def speed(args) -> None:
 
 def curve(args) -> None:
     device = get_device()
-    setup = replace(
-        SETUPS[args.profile],
-        batch_size=args.batch_size,
-        lr=args.lr,
-        warmup_steps=args.warmup,
-        dropout=args.dropout,
-    )
+    options = dict(batch_size=args.batch_size, lr=args.lr, warmup_steps=args.warmup)
+    options["dropout"] = args.dropout
+    changed = {name: value for name, value in options.items() if value is not None}
+    setup = replace(profile_setup(args), **changed)
     tokenizer = tokenizer_for(setup)
     splits = load_splits(setup.max_words)
     batches = LengthBatches(
@@ -176,20 +184,26 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="mode")
     parser.add_argument("--profile", choices=sorted(SETUPS), default="full")
+    parser.add_argument(
+        "--max-words", type=int, help="override the profile's longest sentence, in words"
+    )
     parser.add_argument("--compile", choices=("default", "reduce-overhead", "max-autotune"))
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[256])
     parser.add_argument("--warmup", type=int, default=30)
     parser.add_argument("--steps", type=int, default=150)
     parser.add_argument("--profile-steps", type=int, default=20)
     c = sub.add_parser("curve")
-    c.add_argument("--batch-size", type=int, default=512)
-    c.add_argument("--lr", type=float, default=1e-3)
-    c.add_argument("--warmup", type=int, default=800)
-    c.add_argument("--dropout", type=float, default=0.1)
+    profiles = "default: the profile's"
+    c.add_argument("--batch-size", type=int, help=f"sentence pairs per step ({profiles})")
+    c.add_argument("--lr", type=float, help=f"peak learning rate ({profiles})")
+    c.add_argument("--warmup", type=int, help=f"learning-rate warm-up steps ({profiles})")
+    c.add_argument("--dropout", type=float, help=f"({profiles})")
     c.add_argument("--max-steps", type=int, default=3000)
     c.add_argument("--eval-every", type=int, default=500)
     c.add_argument("--valid-pairs", type=int, default=1200)
     args = parser.parse_args()
+    if args.max_words is not None and args.max_words < 1:
+        parser.error(f"--max-words: expected an int >= 1, got {args.max_words}")
     if os.environ.get("TORCH_THREADS"):
         torch.set_num_threads(int(os.environ["TORCH_THREADS"]))
     (curve if args.mode == "curve" else speed)(args)

@@ -184,6 +184,8 @@ def test_buckets_pad_to_a_few_lengths_without_changing_the_loss():
     [
         (["--beam-size", "0"], "--beam-size: expected an int >= 1, got 0"),
         (["--max-steps", "-1"], "--max-steps: expected an int >= 0, got -1"),
+        (["--max-words", "0"], "--max-words: expected an int >= 1, got 0"),
+        (["--test-sentences", "0"], "--test-sentences: expected an int >= 1, got 0"),
     ],
 )
 def test_cli_refuses_bad_settings_before_any_work(flags, message, monkeypatch, capsys):

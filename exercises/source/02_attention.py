@@ -157,11 +157,14 @@ keep(MultiHeadAttention)
 # With a causal mask, `run_with_cache` shows each head's pattern: a lower triangle whose rows
 # sum to one.
 
-# %% [check]
+# %% [check] tags=nbval-ignore-output
 mha = MultiHeadAttention(d_model=32, n_heads=4)
 _, cache = mha.run_with_cache(torch.randn(1, 6, 32), mask=causal_mask(6))
 print({name: tuple(t.shape) for name, t in cache.items()})
-print(cache["hook_pattern"][0, 0].round(decimals=2))
+pattern = cache["hook_pattern"][0, 0]
+print(pattern.round(decimals=2))
+assert (pattern.triu(diagonal=1) == 0).all(), "a lower triangle: no query sees a later key"
+assert torch.allclose(pattern.sum(-1), torch.ones(6)), "whose rows sum to one"
 
 # %% [markdown]
 # ## Your attention learns to reverse a sequence
@@ -205,6 +208,7 @@ torch.manual_seed(0)
 model = Reverser()
 optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
 batches = torch.Generator().manual_seed(1)
+losses = []
 start = time.perf_counter()
 for step in range(201):
     tokens, target = reversal_batch(64, batches)
@@ -212,28 +216,33 @@ for step in range(201):
     optimizer.zero_grad()
     loss.backward()
     optimizer.step()
+    losses.append(loss.item())
     if step % 25 == 0:
         print(f"step {step:3d}  loss {loss.item():.3f}")
 print(f"trained in {time.perf_counter() - start:.1f} s")
+assert abs(losses[0] - math.log(VOCAB)) < 0.2, "the loss starts at chance, ln 10"
+assert max(losses[100:]) < 0.05, "and is almost zero from step 100 on"
 
 # %% [markdown]
 # The loss starts at chance, $\ln 10 \approx 2.3$, and drops to almost zero within a few dozen
 # steps, once the heads find where to look. On 1,000 sequences it has never seen, with and
 # without the attention layer's contribution to the residual stream:
 
-# %% [check]
+# %% [check] tags=nbval-ignore-output
 tokens, target = reversal_batch(1000, torch.Generator().manual_seed(2))
 with torch.no_grad():
     with_attention = (model(tokens).argmax(-1) == target).float().mean().item()
     without = ((model.embed(tokens) @ model.W_U).argmax(-1) == target).float().mean().item()
 print(f"reversed correctly, with your attention: {with_attention:.0%}")
 print(f"without it: {'chance level' if without < 0.2 else f'{without:.0%}'} (chance is 10%)")
+assert with_attention > 0.95, "with your attention, the model reverses almost every sequence"
+assert without < 0.2, "without it, it is at chance level"
 
 # %% [markdown]
 # Your `hook_pattern` shows how. Averaged over those 1,000 sequences, output position $i$ puts
 # nearly all its weight on input position $7 - i$: an anti-diagonal, in both heads.
 
-# %% [check]
+# %% [check] tags=nbval-ignore-output
 with torch.no_grad():
     _, cache = model.attn.run_with_cache(model.embed(tokens))
 patterns = cache["hook_pattern"].mean(0)  # (head, q_pos, k_pos), averaged over the batch
@@ -244,7 +253,8 @@ for head, ax in enumerate(axes):
 fig.tight_layout()
 plt.show()
 mirror = patterns[:, torch.arange(SEQ_LEN), SEQ_LEN - 1 - torch.arange(SEQ_LEN)]
-print("every query of every head puts > 0.5 on its mirror:", bool((mirror > 0.5).all()))
+print(f"weight on the mirror position, the least of any query and head: {mirror.min():.2f}")
+assert (mirror > 0.8).all(), "every query of every head puts nearly all its weight on its mirror"
 
 # %% [markdown]
 # ## Going further

@@ -136,11 +136,14 @@ keep(masked_softmax)
 # %% [markdown]
 # The naive version and yours on a row with no allowed key, in float16:
 
-# %% [check]
+# %% [check] tags=nbval-ignore-output
 scores = torch.randn(2, 4, dtype=torch.float16)
 mask = torch.tensor([[True, True, False, False], [False, False, False, False]])
-print("-inf fill:", scores.masked_fill(~mask, float("-inf")).softmax(-1).tolist())
-print("yours:    ", masked_softmax(scores, mask).tolist())
+naive, yours = scores.masked_fill(~mask, float("-inf")).softmax(-1), masked_softmax(scores, mask)
+print("-inf fill:", naive.tolist())
+print("yours:    ", yours.tolist())
+assert naive[1].isnan().all() and (yours[1] == 0).all(), "no allowed key: NaN with -inf, 0 with yours"
+assert torch.allclose(yours[0], naive[0], atol=1e-3), "a row with allowed keys: the same weights"
 
 # %% [markdown]
 # ## Your masks on a left-padded batch

@@ -270,7 +270,7 @@ def _token_ids_by_bytes(tokenizer: BPETokenizer) -> dict[bytes, int]:
     "abc" encodes as a + bc. Every table that BPE training learns has it: a pair is learned
     where it occurs in the training text, and the merges that built that spot there build it
     the same way on its own, so `train` says so. The tests check GPT-2's files token by token
-    (`data.load_gpt2_tokenizer` says so too) and trained tokenizers on many texts.
+    (`load_gpt2_tokenizer` says so too) and trained tokenizers on many texts.
     """
     special_ids = set(tokenizer.special_tokens.values())
     return {token: i for i, token in tokenizer.vocab.items() if i not in special_ids}

@@ -12,6 +12,9 @@ Run the quick profile from the command line (CPU, a few minutes):
 
     python -m transformer_course.translation --profile quick
 
+With `--max-steps 1 --max-words 3 --test-sentences 2` it checks the whole pipeline in seconds:
+one step, on sentences of at most 3 words, and BLEU on 2 test sentences.
+
 Trained models are cached under `runs/translation/<profile>-<hash of the settings>/`, so the book
 reuses a finished run instead of training again (and resumes an interrupted one).
 
@@ -114,10 +117,10 @@ SETUPS = {
         d_mlp=512,
         dropout=0.1,
         batch_size=64,
-        max_steps=2000,
+        max_steps=1200,
         lr=2e-3,
         warmup_steps=150,
-        eval_every=500,
+        eval_every=400,
     ),
     "full": TranslationSetup(
         name="full",
@@ -538,15 +541,30 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--threads", type=int, help="CPU threads for PyTorch (1 is fastest on a busy machine)"
     )
+    parser.add_argument(
+        "--max-words",
+        type=int,
+        help="override the profile's longest sentence, in words (fewer words: fewer pairs)",
+    )
+    parser.add_argument(
+        "--test-sentences",
+        type=int,
+        help="score BLEU on the test split's first N English sentences only (default: all); "
+        "with --max-steps 1 and --max-words 3, a run of seconds that checks the whole pipeline",
+    )
     args = parser.parse_args(argv)
     limits = {"--max-steps": (args.max_steps, 0), "--beam-size": (args.beam_size, 1)}
     limits["--threads"] = (args.threads, 1)
+    limits["--max-words"] = (args.max_words, 1)
+    limits["--test-sentences"] = (args.test_sentences, 1)
     for flag, (value, low) in limits.items():
         if value is not None and value < low:
             parser.error(f"{flag}: expected an int >= {low}, got {value}")
-    args.setup = SETUPS[args.profile]
-    if args.max_steps is not None:
-        args.setup = replace(args.setup, max_steps=args.max_steps)
+    overrides = {"max_steps": args.max_steps, "max_words": args.max_words}
+    args.setup = replace(
+        SETUPS[args.profile],
+        **{name: value for name, value in overrides.items() if value is not None},
+    )
     try:
         train_config(args.setup)
     except ValueError as error:
@@ -573,15 +591,20 @@ def main(argv: Sequence[str] | None = None) -> None:
         f"{n_params / 1e6:.2f}M parameters; {len(run.splits['train'])} training pairs; "
         f"training took {run.train_seconds:.0f}s (0 = loaded from {run_dir(setup)})"
     )
+    test = run.splits["test"]
+    sentences = list(dict.fromkeys(english for english, _ in test))
+    part = ""
+    if args.test_sentences is not None and args.test_sentences < len(sentences):
+        kept = set(sentences[: args.test_sentences])
+        test = [pair for pair in test if pair[0] in kept]
+        part = f", first {args.test_sentences} of {len(sentences)} sentences"
     for beam in sorted({1, args.beam_size}):
         started = time.perf_counter()
-        _, hypotheses, references = translate_test(
-            run.model, run.tokenizer, run.splits["test"], beam_size=beam
-        )
+        _, hypotheses, references = translate_test(run.model, run.tokenizer, test, beam_size=beam)
         multi = corpus_bleu(hypotheses, references)
         single = corpus_bleu(hypotheses, references, multi_reference=False)
         print(
-            f"test BLEU (beam {beam}): {multi.score:.1f} with all references, "
+            f"test BLEU (beam {beam}{part}): {multi.score:.1f} with all references, "
             f"{single.score:.1f} with one reference [{multi}] "
             f"({time.perf_counter() - started:.0f}s)"
         )
