@@ -35,6 +35,10 @@ CHAPTER = {
     "llama_weights": 7,
     "llama": 7,
     "optim": 7,
+    "step_cost": 8,
+    "flash_attention": 8,
+    "data_parallel": 8,
+    "sharded": 8,
     "checks": CHECKS,
     "parts": CHECKS,  # runs the checks on the learner's saved parts
 }
