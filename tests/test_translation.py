@@ -21,6 +21,7 @@ from transformer_course.translation import (
     SETUPS,
     LengthBatches,
     corpus_bleu,
+    first_sentences,
     is_trained,
     keep_short,
     load_splits,
@@ -242,3 +243,10 @@ def test_translate_refuses_bad_settings_instead_of_guessing():
         assert len(translate(model, ["hello"], tokenizer, max_len=3)) == 1
     with pytest.raises(TypeError, match="max_len: the former name of max_new_tokens"):
         translate(model, ["hello"], tokenizer, max_len=3, max_new_tokens=3)
+
+
+def test_first_sentences_keeps_every_reference_of_the_first_n():
+    pairs = [("A.", "a1"), ("B.", "b1"), ("A.", "a2"), ("C.", "c1"), ("B.", "b2")]
+    assert first_sentences(pairs, 2) == [("A.", "a1"), ("B.", "b1"), ("A.", "a2"), ("B.", "b2")]
+    assert first_sentences(pairs, None) == pairs
+    assert first_sentences(pairs, 10) == pairs

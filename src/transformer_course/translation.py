@@ -216,6 +216,18 @@ def references_by_source(pairs: Sequence[SentencePair]) -> tuple[list[str], list
     return sources, [grouped[s] for s in sources]
 
 
+def first_sentences(pairs: Sequence[SentencePair], n: int | None) -> list[SentencePair]:
+    """The pairs whose English sentence is among the first `n` distinct ones (every pair when
+    `n` is None): a smaller test set that keeps every reference of each sentence it keeps.
+
+    Course: chapter 5.
+    """
+    if n is None:
+        return list(pairs)
+    kept = set(references_by_source(pairs)[0][:n])
+    return [pair for pair in pairs if pair[0] in kept]
+
+
 def seq2seq_loss(
     model: nn.Module,
     batch: tuple[Tensor, Tensor, Tensor],
@@ -591,13 +603,11 @@ def main(argv: Sequence[str] | None = None) -> None:
         f"{n_params / 1e6:.2f}M parameters; {len(run.splits['train'])} training pairs; "
         f"training took {run.train_seconds:.0f}s (0 = loaded from {run_dir(setup)})"
     )
-    test = run.splits["test"]
-    sentences = list(dict.fromkeys(english for english, _ in test))
+    test = first_sentences(run.splits["test"], args.test_sentences)
+    n_sentences = len(references_by_source(run.splits["test"])[0])
     part = ""
-    if args.test_sentences is not None and args.test_sentences < len(sentences):
-        kept = set(sentences[: args.test_sentences])
-        test = [pair for pair in test if pair[0] in kept]
-        part = f", first {args.test_sentences} of {len(sentences)} sentences"
+    if args.test_sentences is not None and args.test_sentences < n_sentences:
+        part = f", first {args.test_sentences} of {n_sentences} sentences"
     for beam in sorted({1, args.beam_size}):
         started = time.perf_counter()
         _, hypotheses, references = translate_test(run.model, run.tokenizer, test, beam_size=beam)
