@@ -23,7 +23,17 @@ another text. Several processes share one global batch of `--batch-size` sequenc
 
 Each rank draws the same global batch for a step and keeps its own slice, so the run computes
 the same updates as one process with the whole batch (DistributedDataParallel averages the
-gradients). Only rank 0 prints and writes files.
+gradients). Only rank 0 prints and writes files. `--parallel` trains with chapter 8's own
+wrappers instead of PyTorch's, and reports the bytes each rank handed to the collectives per
+training step, against the formula (`step_cost.collective_bytes_per_step`):
+
+    torchrun --standalone --nproc_per_node=2 scripts/train_gpt2.py --parallel ddp
+    torchrun --standalone --nproc_per_node=2 scripts/train_gpt2.py --parallel fsdp
+
+`ddp` is `data_parallel.DataParallel` (25 MiB buckets), `fsdp` is
+`sharded.FullyShardedDataParallel` (each rank keeps a slice of the weights, gradients and AdamW
+state; no checkpoints then, and the sample comes from the last weights, gathered), `none` one
+process.
 """
 
 from __future__ import annotations
@@ -33,15 +43,19 @@ import json
 import os
 import sys
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 from transformer_course.attention import set_fast_path
+from transformer_course.data_parallel import DataParallel
 from transformer_course.gpt2 import GPT2, GPT2Config, generate, lm_loss
+from transformer_course.ranks import CollectiveBytes
 from transformer_course.runtime import get_device, seed_everything
+from transformer_course.sharded import FullyShardedDataParallel
+from transformer_course.step_cost import collective_bytes_per_step
 from transformer_course.tokenization import GPT2_SPLIT_PATTERN, BPETokenizer, CharTokenizer
 from transformer_course.training import (
     History,
@@ -68,6 +82,11 @@ PROFILES = {
 COMMON = dict(weight_decay=0.1, beta1=0.9, beta2=0.99, grad_clip=1.0, seed=1337, bpe_vocab=512)
 AT_LEAST_ONE = ("n_layers", "n_heads", "d_model", "n_ctx", "batch_size", "eval_batches")
 LOSSES = ("train_loss", "val_loss")
+PARALLEL = {  # --parallel: chapter 8's wrapper of the model
+    "none": None,
+    "ddp": lambda model: DataParallel(model, bucket_size_mb=25),
+    "fsdp": FullyShardedDataParallel,
+}
 Tokenizer = CharTokenizer | BPETokenizer
 
 
@@ -89,6 +108,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--no-amp", action="store_true", help="no bf16 autocast on CUDA")
     parser.add_argument("--tie-embeddings", action="store_true", help="W_U = W_E transposed")
     parser.add_argument(
+        "--parallel",
+        choices=sorted(PARALLEL),
+        help="chapter 8's data parallelism (default under torchrun: PyTorch's DDP)",
+    )
+    parser.add_argument(
         "--sample-tokens", type=int, default=300, help="tokens to sample at the end"
     )
     for name, value in {**PROFILES["baby"], **COMMON}.items():
@@ -105,6 +129,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             parser.error(f"{flag}: expected an int >= {low}, got {getattr(args, name)}")
     if args.bpe_vocab < 256:
         parser.error(f"--bpe-vocab: expected at least the 256 byte tokens, got {args.bpe_vocab}")
+    if args.parallel == "fsdp" and args.checkpoint_dir is not None:
+        parser.error("--checkpoint-dir: not with --parallel fsdp (each rank holds a slice)")
     if args.out is not None and args.out.exists() and not args.out.is_dir():
         parser.error(f"--out: expected a directory, got the file {args.out}")
     try:  # the whole configuration, before any data is read or any tokenizer trained
@@ -191,6 +217,10 @@ def report(
         losses = ", ".join(f"{k} {record[k]:.4f}" for k in LOSSES if k in record)
         print(f"{name}: step {record.get('step')}: {losses}", flush=True)
     print(f"training took {result['train_seconds']:.0f} s", flush=True)
+    if result["bytes_per_step"]:
+        for what, sizes in result["bytes_per_step"].items():
+            listed = ", ".join(f"{name} {size / 2**20:.2f} MiB" for name, size in sizes.items())
+            print(f"bytes per rank and step, {what}: {listed}", flush=True)
     if history.best_state is not None:
         model.load_state_dict(history.best_state)  # the last weights stay in checkpoint.pt
     if args.sample_tokens:
@@ -207,6 +237,13 @@ def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     device = torch.device(args.device) if args.device else get_device()
     rank, world, device = setup_distributed(device)
+    if args.parallel == "none" and world > 1:
+        raise ValueError(f"--parallel none: expected one process, got {world}; use ddp or fsdp")
+    if args.parallel in ("ddp", "fsdp") and world == 1:
+        raise ValueError(
+            f"--parallel {args.parallel}: expected several processes, got 1; launch with "
+            "torchrun --standalone --nproc_per_node=2"
+        )
     if args.batch_size % world:
         raise ValueError(
             f"--batch-size: expected a multiple of the {world} processes, got {args.batch_size}"
@@ -221,6 +258,9 @@ def main(argv: list[str] | None = None) -> dict:
         model.compile()  # in place: parameter names and checkpoints stay the same
         loss = torch.compile(lm_loss)  # fused: the float32 logits are never materialised
     train_cfg = train_config(args, progress=rank == 0)
+    if args.parallel == "fsdp":  # the best weights would be one rank's slices
+        train_cfg = replace(train_cfg, best_metric=None)
+    sent = CollectiveBytes()
     per_rank = args.batch_size // world
 
     def get_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -237,10 +277,11 @@ def main(argv: list[str] | None = None) -> dict:
     def evaluate(_: torch.nn.Module) -> dict[str, float]:
         generator = torch.Generator().manual_seed(args.seed)
         sizes = dict(batch_size=args.batch_size, n_ctx=args.n_ctx, n_batches=args.eval_batches)
-        return {
-            "train_loss": estimate_loss(model, train_data, generator=generator, **sizes),
-            "val_loss": estimate_loss(model, val_data, generator=generator, **sizes),
-        }
+        with sent.paused():  # count the training steps' communication only
+            return {
+                "train_loss": estimate_loss(model, train_data, generator=generator, **sizes),
+                "val_loss": estimate_loss(model, val_data, generator=generator, **sizes),
+            }
 
     if rank == 0:
         print(
@@ -250,8 +291,33 @@ def main(argv: list[str] | None = None) -> dict:
             flush=True,
         )
     started = time.perf_counter()
-    history = train(model, train_cfg, get_batch, loss_fn, evaluate=evaluate)
+    wrapped = []
+
+    def parallel(module: torch.nn.Module) -> torch.nn.Module:
+        wrapped.append(PARALLEL[args.parallel](module))
+        return wrapped[-1]
+
+    with sent:
+        history = train(
+            model,
+            train_cfg,
+            get_batch,
+            loss_fn,
+            evaluate=evaluate,
+            parallel=parallel if PARALLEL.get(args.parallel) else None,
+        )
     wall = time.perf_counter() - started
+    if args.parallel == "fsdp":  # every rank gathers; rank 0 samples from the whole model
+        state = wrapped[0].gather_full_params()
+        model = GPT2(cfg).to(device)
+        model.load_state_dict(state)
+    communication = None
+    if args.parallel in ("ddp", "fsdp"):
+        expected = collective_bytes_per_step(cfg, args.parallel, world_size=world)
+        communication = {
+            "measured": {k: v // args.max_steps for k, v in sorted(sent.bytes.items())},
+            "formula": expected,
+        }
 
     result = {
         "command": "python scripts/train_gpt2.py "
@@ -264,6 +330,7 @@ def main(argv: list[str] | None = None) -> dict:
         "final": history.evals[-1] if history.evals else {},
         "best": history.best,
         "train_seconds": round(wall, 1),
+        "bytes_per_step": communication,
         "history": history.to_dict(),
     }
     if rank == 0:

@@ -21,7 +21,6 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
-from two_ranks import on_two_ranks
 
 from transformer_course.data_parallel import (
     DataParallel,
@@ -29,6 +28,7 @@ from transformer_course.data_parallel import (
     require_process_group,
 )
 from transformer_course.gpt2 import GPT2, GPT2Config, lm_loss
+from transformer_course.ranks import on_ranks
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="no torch.distributed")
 
@@ -151,7 +151,7 @@ def dp_worker(rank: int) -> dict:
 
 @pytest.fixture(scope="module")
 def dp_results() -> list[dict]:
-    return on_two_ranks(dp_worker)
+    return on_ranks(dp_worker)
 
 
 @pytest.fixture(scope="module")

@@ -1,5 +1,6 @@
 """Multi-process training: `torchrun --nproc_per_node=2` on the CPU (gloo) computes the same
-updates as one process with the same global batch.
+updates as one process with the same global batch, with PyTorch's DistributedDataParallel and
+with chapter 8's `--parallel ddp` and `--parallel fsdp`.
 
 Both runs use `scripts/train_gpt2.py` on a small text with a tiny model for a few steps. Each
 rank takes half of every global batch and DistributedDataParallel averages the gradients, so
@@ -9,6 +10,7 @@ are O(0.1); a lost gradient average or a rank training on the wrong shard moves 
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import subprocess
@@ -89,3 +91,48 @@ def test_two_processes_match_one_process(tmp_path):
     )
     losses = one["history"]["train_loss"]
     assert losses[-1] < losses[0] - 0.05, f"training did not move: {losses}"
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(
+    not torch.distributed.is_available(), reason="torch.distributed is not available"
+)
+@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
+def test_course_wrappers_match_one_process(tmp_path, parallel):
+    """`--parallel ddp|fsdp`: the losses of one process (atol 1e-5, as above), and the bytes
+    each rank sent per step: the formula's gradients (within 1%; DataParallel adds a flag per
+    parameter, FSDP pads each parameter to an even size), FSDP's gathers at most the bound."""
+    text_file = tmp_path / "text.txt"
+    rng = random.Random(0)
+    text_file.write_text(
+        "\n".join(" ".join(rng.choice(WORDS) for _ in range(8)) for _ in range(400))
+    )
+    common = [str(SCRIPT), "--text-file", str(text_file), "--device", "cpu", *TINY]
+    run([sys.executable, *common, "--out", str(tmp_path / "one")], tmp_path)
+    distributed = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    run(
+        [
+            *distributed,
+            "--nproc_per_node=2",
+            *common,
+            "--parallel",
+            parallel,
+            "--out",
+            str(tmp_path / "two"),
+        ],
+        tmp_path,
+    )
+    one, two = (
+        json.loads((tmp_path / name / "results.json").read_text()) for name in ("one", "two")
+    )
+    torch.testing.assert_close(
+        torch.tensor(two["history"]["train_loss"]),
+        torch.tensor(one["history"]["train_loss"]),
+        atol=1e-5,
+        rtol=0,
+    )
+    sent = two["bytes_per_step"]
+    gradients = "all_reduce" if parallel == "ddp" else "reduce_scatter"
+    assert 1 <= sent["measured"][gradients] / sent["formula"][gradients] < 1.01, sent
+    if parallel == "fsdp":
+        assert 0 < sent["measured"]["all_gather"] <= sent["formula"]["all_gather"], sent

@@ -39,6 +39,7 @@ CHAPTER = {
     "flash_attention": 8,
     "data_parallel": 8,
     "sharded": 8,
+    "ranks": 8,
     "checks": CHECKS,
     "parts": CHECKS,  # runs the checks on the learner's saved parts
 }

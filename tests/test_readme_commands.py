@@ -224,6 +224,16 @@ COMMANDS: dict[str, Run | Elsewhere] = {
         "process",
         "tests/test_gpt2_ddp.py",
     ),
+    **{
+        f"torchrun --standalone --nproc_per_node=2 scripts/train_gpt2.py --parallel {kind}": (
+            Elsewhere(
+                "runs it (`torch.distributed.run --standalone --nproc_per_node=2`), tiny, "
+                "against one process and the formula's bytes",
+                "tests/test_gpt2_ddp.py",
+            )
+        )
+        for kind in ("ddp", "fsdp")
+    },
 }
 
 

@@ -34,12 +34,12 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
-from two_ranks import on_two_ranks
 
 from transformer_course.data_parallel import DataParallel
 from transformer_course.gpt2 import GPT2, GPT2Config, lm_loss
 from transformer_course.llama import Llama, LlamaConfig
 from transformer_course.optim import AdamW
+from transformer_course.ranks import on_ranks
 from transformer_course.sharded import FullyShardedDataParallel, ShardedOptimizer
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="no torch.distributed")
@@ -269,7 +269,7 @@ def worker(rank: int) -> dict:
 
 @pytest.fixture(scope="module")
 def results() -> list[dict]:
-    return on_two_ranks(worker)
+    return on_ranks(worker)
 
 
 def single_process(cfg=CFG) -> dict[str, torch.Tensor]:

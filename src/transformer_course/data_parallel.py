@@ -41,7 +41,7 @@ from torch import Tensor, nn
 
 from transformer_course import validate
 
-__all__ = ["require_process_group", "check_same_parameters", "DataParallel"]
+__all__ = ["require_process_group", "check_same_parameters", "make_buckets", "DataParallel"]
 
 
 def require_process_group() -> tuple[int, int]:
@@ -86,6 +86,30 @@ def check_same_parameters(module: nn.Module, name: str = "module") -> None:
                 )
 
 
+def make_buckets(params: list[Tensor], bucket_size_mb: float | None) -> list[list[Tensor]]:
+    """`params` (in the order their gradients will arrive) cut into consecutive buckets of at
+    most `bucket_size_mb` MiB of gradients each: a parameter larger than that alone, a new
+    bucket wherever the dtype changes (one bucket is one flat tensor). Without a size, one
+    bucket per parameter.
+
+    Course: exercise 8.6, checked by checks.scaling.check_make_buckets.
+    """
+    if bucket_size_mb is None:
+        return [[p] for p in params]
+    validate.number("bucket_size_mb", bucket_size_mb, low=0, low_open=True)
+    limit = bucket_size_mb * 2**20
+    buckets: list[list[Tensor]] = []
+    size = 0
+    for p in params:
+        nbytes = p.numel() * p.element_size()
+        if not buckets or size + nbytes > limit or buckets[-1][0].dtype != p.dtype:
+            buckets.append([])
+            size = 0
+        buckets[-1].append(p)
+        size += nbytes
+    return buckets
+
+
 def _describe(entry: tuple | None) -> str:
     if entry is None:
         return "missing"
@@ -115,7 +139,7 @@ class DataParallel(nn.Module):
         model.finish_gradient_synchronization()  # after backward(), before step()
         optimizer.step()
 
-    Course: chapter 8.
+    Course: exercise 8.7, checked by checks.scaling.check_data_parallel.
     """
 
     def __init__(self, module: nn.Module, bucket_size_mb: float | None = None) -> None:
@@ -123,43 +147,21 @@ class DataParallel(nn.Module):
         self.rank, self.world_size = require_process_group()
         if not isinstance(module, nn.Module):
             raise TypeError(f"module: expected a torch.nn.Module, got {type(module).__name__}")
-        if bucket_size_mb is not None:
-            validate.number("bucket_size_mb", bucket_size_mb, low=0, low_open=True)
         self.module = module
+        names = {p: key for key, p in module.named_parameters()}  # a shared one: its first name
+        params = [p for p in module.parameters() if p.requires_grad]  # each tensor once
+        self._buckets = [_Bucket(b) for b in make_buckets(params[::-1], bucket_size_mb)]
+        for bucket in self._buckets:
+            bucket.names = [names[p] for p in bucket.params]
         check_same_parameters(module)
         with torch.no_grad():
             for t in [*module.parameters(), *module.buffers()]:
                 dist.broadcast(t, src=0)
-        names = {p: key for key, p in module.named_parameters()}  # a shared one: its first name
-        params = [p for p in module.parameters() if p.requires_grad]  # each tensor once
-        self._buckets = self._make_buckets(params[::-1], bucket_size_mb)
-        for bucket in self._buckets:
-            bucket.names = [names[p] for p in bucket.params]
         self._bucket_of = {p: b for b in self._buckets for p in b.params}
         self._has_grad: set[nn.Parameter] = set()
         self._next = 0  # the first bucket not started yet
         for p in params:
             p.register_post_accumulate_grad_hook(self._grad_ready)
-
-    @staticmethod
-    def _make_buckets(params: list[nn.Parameter], bucket_size_mb: float | None) -> list[_Bucket]:
-        """Consecutive parameters (already in reverse order) in buckets of at most
-        `bucket_size_mb` MiB of gradients (a larger parameter alone), one dtype per bucket;
-        without a size, one bucket per parameter."""
-        if bucket_size_mb is None:
-            return [_Bucket([p]) for p in params]
-        limit = bucket_size_mb * 2**20
-        buckets: list[_Bucket] = []
-        size = 0
-        for p in params:
-            nbytes = p.numel() * p.element_size()
-            last = buckets[-1].params if buckets else None
-            if last is None or size + nbytes > limit or last[0].dtype != p.dtype:
-                buckets.append(_Bucket([]))
-                size = 0
-            buckets[-1].params.append(p)
-            size += nbytes
-        return buckets
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if self._has_grad or self._next:

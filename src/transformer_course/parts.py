@@ -3,7 +3,8 @@
 Each workbook's check cell ends with `keep(part)`: once the check has passed, the cell that
 defines the part is saved to your own file, `my_transformer/chapter_N.py` beside the workbooks
 (or in the folder `$TRANSFORMER_COURSE_PARTS` names). A later workbook starts with
-`load_parts(globals(), chapter=N)`, which puts in the notebook the course's tools and every part
+`load_parts(globals(), chapter=N)`, which puts in the notebook the course's tools (the public
+names of every module, and the private helpers of the modules that hold exercises) and every part
 of the chapters before N: yours, run from your files and checked again with its exercise's
 check, or the course's where yours is missing or fails, and a table says which is which.
 
@@ -97,6 +98,7 @@ def _cell_of(part: Any) -> str:
     """The source of the notebook cell that defined `part` (a function or a class)."""
     functions = [part] if hasattr(part, "__code__") else list(vars(part).values())
     for function in functions:
+        function = getattr(function, "__func__", function)  # a staticmethod's own function
         code = getattr(function, "__code__", None)
         if code is not None and (lines := linecache.getlines(code.co_filename)):
             return "".join(lines).strip("\n") + "\n"
@@ -162,8 +164,11 @@ def load_parts(
     Course: chapter 1.
     """
     validate.integer("chapter", chapter, low=1)
+    homes = {part.course.__module__ for part in parts_of()}  # their helpers come too
     for module in _course_modules():
-        namespace.update({k: v for k, v in vars(module).items() if not k.startswith("__")})
+        home = module.__name__ in homes
+        names = [k for k in vars(module) if not k.startswith("__" if home else "_")]
+        namespace.update({k: vars(module)[k] for k in names})
     earlier = [part for part in parts_of() if part.chapter < chapter]
     problems: dict[str, str] = {}
     for number in sorted({part.chapter for part in earlier}):

@@ -30,9 +30,18 @@ from transformer_course.data_parallel import check_same_parameters, require_proc
 
 __all__ = ["ShardedOptimizer", "FullyShardedDataParallel"]
 
-# The collectives on one flat tensor, under their PyTorch 2.13 names (and the earlier ones).
-all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+def all_gather_single(output: Tensor, input: Tensor, **kwargs: Any) -> Any:
+    """Every rank's `input` side by side in `output` (world_size times its size): PyTorch's
+    collective on one flat tensor, under its 2.13 name or the earlier one."""
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    return gather(output, input, **kwargs)
+
+
+def reduce_scatter_single(output: Tensor, input: Tensor, **kwargs: Any) -> Any:
+    """The sum over ranks of `input`, cut in world_size equal slices: this rank's in `output`."""
+    scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    return scatter(output, input, **kwargs)
 
 
 class ShardedOptimizer(torch.optim.Optimizer):
@@ -48,7 +57,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
     sets `group["lr"]` there, as usual); `optimizer` is this rank's own, and `state_dict()` is
     this rank's shard of the state.
 
-    Course: chapter 8.
+    Course: exercise 8.8, checked by checks.scaling.check_sharded_optimizer.
     """
 
     def __init__(
@@ -227,7 +236,7 @@ class FullyShardedDataParallel(nn.Module):
         optimizer.step()
         state = model.gather_full_params()   # every rank: the whole float32 state dict
 
-    Course: chapter 8.
+    Course: exercise 8.9, checked by checks.scaling.check_fsdp.
     """
 
     def __init__(self, module: nn.Module, compute_dtype: torch.dtype | None = None) -> None:
@@ -336,6 +345,22 @@ class FullyShardedDataParallel(nn.Module):
             work.wait()
             shard.grad = out if shard.grad is None else shard.grad + out
         self._pending.clear()
+
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float) -> Tensor:
+        """Scale every slice's gradient so that the whole model's gradient norm is at most
+        `max_norm`; returns that norm (before scaling), the same on every rank. Each rank holds
+        only its slices, so the squared norms are summed across ranks first."""
+        grads = [p.grad for p in self.parameters() if p.grad is not None]
+        squares = torch.zeros((), device=grads[0].device if grads else None)
+        for g in grads:
+            squares += g.double().pow(2).sum().float()
+        dist.all_reduce(squares)
+        norm = squares.sqrt()
+        scale = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+        for g in grads:
+            g.mul_(scale)
+        return norm
 
     @torch.no_grad()
     def gather_full_params(self) -> dict[str, Tensor]:

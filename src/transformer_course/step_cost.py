@@ -33,6 +33,7 @@ __all__ = [
     "StepCost",
     "step_cost",
     "SavedTensorBytes",
+    "collective_bytes_per_step",
 ]
 
 FLOAT32_BYTES = 4
@@ -42,7 +43,7 @@ ID_BYTES = 8  # an int64 token id
 def param_count(cfg: GPT2Config | LlamaConfig) -> int:
     """The number of parameters of `GPT2(cfg)` or `Llama(cfg)`, a tied embedding counted once.
 
-    Course: chapter 8.
+    Course: exercise 8.1, checked by checks.scaling.check_param_count.
     """
     d, v, n_heads, d_head = cfg.d_model, cfg.d_vocab, cfg.n_heads, cfg.d_head
     if _is_gpt2(cfg):
@@ -80,7 +81,7 @@ def flops_per_token(cfg: GPT2Config | LlamaConfig, seq_len: int) -> int:
     token and layer in the forward, three times that with the backward (L layers, H query heads
     of size Q, T positions). Causal attention could skip half of them; the count does not.
 
-    Course: chapter 8.
+    Course: exercise 8.2, checked by checks.scaling.check_flops_per_token.
     """
     validate.positive_int("seq_len", seq_len)
     attention = 12 * cfg.n_layers * cfg.n_heads * cfg.d_head * seq_len
@@ -242,6 +243,46 @@ class SavedTensorBytes:
 
     def __exit__(self, *exc: Any) -> None:
         self._hooks.__exit__(*exc)
+
+
+def collective_bytes_per_step(
+    cfg: GPT2Config | LlamaConfig,
+    parallel: str,
+    *,
+    world_size: int,
+    compute_bytes: int = FLOAT32_BYTES,
+) -> dict[str, int]:
+    """The bytes each rank hands to each kind of collective in one training step (the payloads
+    `ranks.CollectiveBytes` counts), by strategy, with N parameters:
+
+    - `"ddp"` (`DataParallel`): every gradient all-reduced once, 4 N bytes in float32;
+    - `"zero1"` (`DataParallel` with a `ShardedOptimizer`): the same, and every parameter
+      broadcast from its owner after the step, 4 N;
+    - `"fsdp"` (`FullyShardedDataParallel`): every weight all-gathered for its forward in the
+      compute dtype (`compute_bytes` per parameter, a tied one once per use) and at most once
+      more in the backward (only where the backward needs it: a bias's gradient needs no
+      weight, and einsum keeps its own copies), and every use's gradient reduce-scattered in
+      float32. The gathers' count is an upper bound: 2 compute_bytes N.
+
+    Each parameter is padded to a multiple of `world_size` elements under FSDP, and
+    `DataParallel` sends one flag per parameter tensor with its gradients: a few bytes more than
+    the formula, which counts neither.
+
+    Course: chapter 8.
+    """
+    _is_gpt2(cfg)
+    validate.positive_int("world_size", world_size)
+    validate.positive_int("compute_bytes", compute_bytes)
+    n = param_count(cfg)
+    gradients = {"all_reduce": FLOAT32_BYTES * n}
+    if parallel == "ddp":
+        return gradients
+    if parallel == "zero1":
+        return {**gradients, "broadcast": FLOAT32_BYTES * n}
+    if parallel == "fsdp":
+        uses = n + (cfg.d_vocab * cfg.d_model if cfg.tie_embeddings else 0)
+        return {"all_gather": 2 * compute_bytes * uses, "reduce_scatter": FLOAT32_BYTES * uses}
+    raise ValueError(f"parallel: expected 'ddp', 'zero1' or 'fsdp', got {parallel!r}")
 
 
 def _is_gpt2(cfg: Any) -> bool:

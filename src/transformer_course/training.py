@@ -209,15 +209,18 @@ def _decays(name: str, param: nn.Parameter) -> bool:
     return param.ndim >= 2 and not (leaf in ("b", "bias") or leaf.startswith("b_"))
 
 
-def make_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
+def make_optimizer(
+    model: nn.Module, cfg: TrainConfig, *, decays: set[str] | None = None
+) -> torch.optim.AdamW:
     """AdamW with two groups: weight decay on matrices (embeddings included), none on biases and
-    norms. Uses the fused CUDA kernel when the model lives on a GPU.
+    norms (or, with `decays`, on the parameters it names: a sharded model's are flat slices).
+    Uses the fused CUDA kernel when the model lives on a GPU.
 
     Course: chapter 6.
     """
     params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    decay = [p for n, p in params if _decays(n, p)]
-    no_decay = [p for n, p in params if not _decays(n, p)]
+    decay = [p for n, p in params if (n in decays if decays is not None else _decays(n, p))]
+    no_decay = [p for n, p in params if all(p is not d for d in decay)]
     groups = [
         {"params": decay, "weight_decay": cfg.weight_decay},
         {"params": no_decay, "weight_decay": 0.0},
@@ -461,18 +464,23 @@ class _TrainingRun:
     """One call of `train`: the model (wrapped for DDP), the optimizer, the history, the files,
     and the step losses still waiting on the device."""
 
-    def __init__(self, model: nn.Module, cfg: TrainConfig, optimizer, on_log) -> None:
+    def __init__(self, model: nn.Module, cfg: TrainConfig, optimizer, on_log, parallel) -> None:
         self.cfg, self.raw_model = cfg, model
         self.distributed = dist.is_available() and dist.is_initialized()
         self.is_main = not self.distributed or dist.get_rank() == 0
         self.device = next(model.parameters()).device
         self.model = model
-        if self.distributed:
+        decays = {n for n, p in model.named_parameters() if _decays(n, p)}  # before any sharding
+        if parallel is not None:
+            self.model = parallel(model)
+        elif self.distributed:
             from torch.nn.parallel import DistributedDataParallel
 
             ids = [self.device.index] if self.device.type == "cuda" else None
             self.model = DistributedDataParallel(model, device_ids=ids)
-        self.optimizer = optimizer if optimizer is not None else make_optimizer(model, cfg)
+        if optimizer is None:
+            optimizer = make_optimizer(model, cfg, decays=decays)
+        self.optimizer = optimizer
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.use_amp = cfg.amp and self.device.type == "cuda"
         folder = Path(cfg.checkpoint_dir) if cfg.checkpoint_dir is not None else None
@@ -508,8 +516,15 @@ class _TrainingRun:
         with self.autocast():
             loss = loss_fn(self.model, batch)
         loss.backward()
+        finish = getattr(self.model, "finish_gradient_synchronization", None)
+        if finish is not None:  # chapter 8's wrappers: the gradients are averaged now
+            finish()
         clip = self.cfg.grad_clip if self.cfg.grad_clip else math.inf
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.params, clip)
+        clip_grad_norm = getattr(self.model, "clip_grad_norm_", None)  # a sharded model's own
+        if clip_grad_norm is not None:
+            grad_norm = clip_grad_norm(clip)
+        else:
+            grad_norm = torch.nn.utils.clip_grad_norm_(self.params, clip)
         finite = torch.isfinite(loss.detach()) & torch.isfinite(grad_norm)
         _step_if_finite(self.optimizer, finite)
         self.optimizer.zero_grad(set_to_none=True)
@@ -600,6 +615,7 @@ def train(
     evaluate: Callable[[nn.Module], dict[str, float]] | None = None,
     optimizer: torch.optim.Optimizer | None = None,
     on_log: Callable[[dict[str, float]], None] | None = None,
+    parallel: Callable[[nn.Module], nn.Module] | None = None,
 ) -> History:
     """Train `model` for `cfg.max_steps` steps and return its `History`.
 
@@ -608,6 +624,10 @@ def train(
     return this rank's shard. `loss_fn(model, batch)` returns a scalar loss. `evaluate(model)`,
     called every `cfg.eval_every` steps and at the end in eval mode without gradients, returns
     metrics such as `{"valid_loss": ...}`. `on_log(record)` receives each logged record.
+    Under torchrun the model trains in PyTorch's `DistributedDataParallel`, or in what
+    `parallel(model)` wraps it in (chapter 8's wrappers): the wrapper's
+    `finish_gradient_synchronization()` runs after each backward, and its `clip_grad_norm_`, if
+    it has one, clips.
 
     If `cfg.checkpoint_dir` holds a checkpoint, training resumes from it. The model ends with the
     weights of the last step; with `cfg.best_metric`, `History.best` says which evaluation was
@@ -617,7 +637,7 @@ def train(
     """
     if cfg.best_metric is not None and evaluate is None:
         raise ValueError(f"evaluate: best_metric={cfg.best_metric!r} needs a function, got None")
-    run = _TrainingRun(model, cfg, optimizer, on_log)
+    run = _TrainingRun(model, cfg, optimizer, on_log, parallel)
     run.model.train()
     for step in range(run.start, cfg.max_steps):
         lr = run.step(step, get_batch, loss_fn)

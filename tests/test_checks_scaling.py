@@ -1,0 +1,408 @@
+"""The chapter 8 checkers (`checks.scaling`): the reference passes, valid alternatives pass, a blank
+fails with its hint, and each classic mistake is named (each written out here as a small variant
+of the reference, as a learner would write it). The distributed checkers fork two gloo ranks."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+from checking import fails
+from torch import nn
+
+from transformer_course import data_parallel, flash_attention, sharded, step_cost
+from transformer_course.checks.scaling import (
+    check_data_parallel,
+    check_flash_attention_backward,
+    check_flash_attention_forward,
+    check_flash_attention_function,
+    check_flops_per_token,
+    check_fsdp,
+    check_make_buckets,
+    check_param_count,
+    check_sharded_optimizer,
+)
+from transformer_course.gpt2 import GPT2, GPT2Config
+from transformer_course.llama import Llama
+from transformer_course.masking import causal_mask
+
+CHECKS = {  # checker: (the reference, its name in the ✓ line)
+    check_param_count: (step_cost.param_count, "param_count"),
+    check_flops_per_token: (step_cost.flops_per_token, "flops_per_token"),
+    check_flash_attention_forward: (
+        flash_attention.flash_attention_forward,
+        "flash_attention_forward",
+    ),
+    check_flash_attention_backward: (
+        flash_attention.flash_attention_backward,
+        "flash_attention_backward",
+    ),
+    check_flash_attention_function: (flash_attention.FlashAttention, "FlashAttention"),
+    check_make_buckets: (data_parallel.make_buckets, "make_buckets"),
+    check_data_parallel: (data_parallel.DataParallel, "DataParallel"),
+    check_sharded_optimizer: (sharded.ShardedOptimizer, "ShardedOptimizer"),
+    check_fsdp: (sharded.FullyShardedDataParallel, "FullyShardedDataParallel"),
+}
+needs_dist = pytest.mark.skipif(not dist.is_available(), reason="no torch.distributed")
+
+
+@pytest.mark.parametrize("check", CHECKS, ids=lambda check: check.__name__)
+def test_reference_passes(check, capsys):
+    reference, name = CHECKS[check]
+    check(reference)
+    assert f"✓ {name}" in capsys.readouterr().out
+
+
+def blank(*args, **kwargs):
+    raise NotImplementedError("Exercise 8.x: write it (hints below the cell)")
+
+
+@pytest.mark.parametrize("check", list(CHECKS)[:6], ids=lambda check: check.__name__)
+def test_a_blank_is_reported_as_not_implemented(check):
+    candidate = blank
+    if check is check_flash_attention_function:
+        candidate = type("Blank", (torch.autograd.Function,), {"forward": staticmethod(blank)})
+    fails(check, candidate, "not implemented yet")
+
+
+# ---- what a step costs ----------------------------------------------------------------------
+
+
+def test_param_count_by_building_the_model_passes():
+    check_param_count(
+        lambda cfg: sum(
+            p.numel()
+            for p in (GPT2(cfg) if isinstance(cfg, GPT2Config) else Llama(cfg)).parameters()
+        )
+    )
+
+
+def test_param_count_mistakes_are_named():
+    def tied_twice(cfg):
+        return step_cost.param_count(cfg) + (cfg.d_vocab * cfg.d_model if cfg.tie_embeddings else 0)
+
+    fails(check_param_count, tied_twice, "tied", "once")
+
+    def no_position_table(cfg):
+        gpt2 = isinstance(cfg, GPT2Config)
+        return step_cost.param_count(cfg) - (cfg.n_ctx * cfg.d_model if gpt2 else 0)
+
+    fails(check_param_count, no_position_table, "W_pos")
+
+    def kv_with_every_head(cfg):
+        extra = 0 if isinstance(cfg, GPT2Config) else cfg.n_heads - cfg.n_kv_heads
+        return step_cost.param_count(cfg) + 2 * cfg.n_layers * extra * cfg.d_model * cfg.d_head
+
+    fails(check_param_count, kv_with_every_head, "n_kv_heads")
+    fails(check_param_count, lambda cfg: float(step_cost.param_count(cfg)), "expected an int")
+
+
+def test_flops_mistakes_are_named():
+    def forward_only(cfg, seq_len):
+        n = step_cost.flop_param_count(cfg)
+        return 2 * n + 4 * cfg.n_layers * cfg.n_heads * cfg.d_head * seq_len
+
+    fails(check_flops_per_token, forward_only, "backward costs twice")
+    fails(check_flops_per_token, lambda cfg, t: 6 * step_cost.flop_param_count(cfg), "12 L H Q T")
+
+    def with_embeddings(cfg, seq_len):
+        heads = cfg.n_layers * cfg.n_heads * cfg.d_head
+        return 6 * step_cost.param_count(cfg) + 12 * heads * seq_len
+
+    fails(check_flops_per_token, with_embeddings, "flop_param_count")
+
+
+# ---- FlashAttention ---------------------------------------------------------------------------
+
+
+def whole_attention_forward(q, k, v, causal=False, *, q_tile=64, k_tile=64):
+    """Right numbers, no tiles: the whole pattern at once."""
+    scores = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])
+    if causal:
+        scores = scores.masked_fill(~causal_mask(q.shape[-2], k.shape[-2]), -math.inf)
+    return torch.softmax(scores, -1) @ v, torch.logsumexp(scores, -1)
+
+
+def test_forward_mistakes_are_named():
+    fails(check_flash_attention_forward, whole_attention_forward, "pattern", "one tile at a time")
+
+    def lse_without_max(q, k, v, causal=False, **tiles):
+        out, lse = flash_attention.flash_attention_forward(q, k, v, causal, **tiles)
+        scores = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])
+        if causal:
+            scores = scores.masked_fill(~causal_mask(q.shape[-2], k.shape[-2]), -math.inf)
+        return out, lse - scores.amax(-1)
+
+    fails(check_flash_attention_forward, lse_without_max, "m + log(l)")
+
+    def first_keys(q, k, v, causal=False, **tiles):
+        if causal and q.shape[-2] < k.shape[-2]:  # aligned to the first keys
+            n = q.shape[-2]
+            out, lse = flash_attention.flash_attention_forward(
+                q, k[..., :n, :], v[..., :n, :], True
+            )
+            return out, lse
+        return flash_attention.flash_attention_forward(q, k, v, causal, **tiles)
+
+    fails(check_flash_attention_forward, first_keys, "last")
+
+    def in_float32_out(q, k, v, causal=False, **tiles):
+        out, lse = flash_attention.flash_attention_forward(q.float(), k.float(), v.float(), causal)
+        return (out.double() if q.dtype == torch.float64 else out), lse.to(q.dtype)
+
+    fails(check_flash_attention_forward, in_float32_out, "float")
+
+
+def test_a_forward_without_rescaling_is_named():
+    def no_rescale(q, k, v, causal=False, *, q_tile=64, k_tile=64):
+        n_q, n_k = q.shape[-2], k.shape[-2]
+        out, lse = torch.empty_like(q), q.new_empty(q.shape[:-1])
+        for i0 in range(0, n_q, q_tile):
+            q_i = q[..., i0 : i0 + q_tile, :] / math.sqrt(q.shape[-1])
+            m = torch.full(q_i.shape[:-1], -math.inf, dtype=q.dtype)
+            l, acc = torch.zeros_like(m), torch.zeros_like(q_i)  # noqa: E741
+            for j0 in range(0, n_k, k_tile):
+                s = q_i @ k[..., j0 : j0 + k_tile, :].transpose(-2, -1)
+                if causal:
+                    i = torch.arange(i0, i0 + q_i.shape[-2])[:, None] + n_k - n_q
+                    s = s.masked_fill(torch.arange(j0, j0 + s.shape[-1]) > i, -math.inf)
+                m = torch.maximum(m, s.amax(-1))
+                p = torch.exp(s - m[..., None])
+                l, acc = l + p.sum(-1), acc + p @ v[..., j0 : j0 + k_tile, :]  # noqa: E741
+            out[..., i0 : i0 + q_tile, :] = acc / l[..., None]
+            lse[..., i0 : i0 + q_tile] = m + torch.log(l)
+        return out, lse
+
+    fails(check_flash_attention_forward, no_rescale, "exp(m - m')")
+
+
+def test_backward_mistakes_are_named():
+    def whole(q, k, v, out, lse, grad_out, causal=False, **tiles):
+        q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+        o, _ = whole_attention_forward(q, k, v, causal)
+        return torch.autograd.grad(o, (q, k, v), grad_out)
+
+    fails(check_flash_attention_backward, whole, "pattern")
+
+    def no_correction(q, k, v, out, lse, grad_out, causal=False, **tiles):
+        return flash_attention.flash_attention_backward(
+            q, k, v, torch.zeros_like(out), lse, grad_out, causal, **tiles
+        )  # D = rowsum(dO * 0) = 0
+
+    fails(check_flash_attention_backward, no_correction, "dS = P * (dP - D)")
+
+    def unscaled(q, k, v, out, lse, grad_out, causal=False, **tiles):
+        dq, dk, dv = flash_attention.flash_attention_backward(
+            q, k, v, out, lse, grad_out, causal, **tiles
+        )
+        return dq * math.sqrt(q.shape[-1]), dk * math.sqrt(q.shape[-1]), dv
+
+    fails(check_flash_attention_backward, unscaled, "1/sqrt(d)")
+
+
+class SavesPattern(torch.autograd.Function):
+    """Right gradients, but the whole pattern kept for the backward."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, causal=False):
+        scores = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])
+        if causal:
+            scores = scores.masked_fill(~causal_mask(q.shape[-2], k.shape[-2]), -math.inf)
+        p = torch.softmax(scores, -1)
+        ctx.save_for_backward(q, k, v, p, torch.logsumexp(scores, -1))
+        return p @ v
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k, v, p, _ = ctx.saved_tensors
+        dv = p.transpose(-2, -1) @ grad_out
+        dp = grad_out @ v.transpose(-2, -1)
+        ds = p * (dp - (dp * p).sum(-1, keepdim=True)) / math.sqrt(q.shape[-1])
+        return ds @ k, ds.transpose(-2, -1) @ q, dv, None
+
+
+class LseOnCtx(flash_attention.FlashAttention):
+    """Keeps L as an attribute of ctx instead of saving it."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, causal=False):
+        out, ctx.lse = flash_attention.flash_attention_forward(q, k, v, causal)
+        ctx.save_for_backward(q, k, v, out)
+        ctx.causal = causal
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k, v, out = ctx.saved_tensors
+        grads = flash_attention.flash_attention_backward(
+            q, k, v, out, ctx.lse, grad_out, ctx.causal
+        )
+        return *grads, None
+
+
+class TooFewGradients(flash_attention.FlashAttention):
+    @staticmethod
+    def backward(ctx, grad_out):
+        return flash_attention.FlashAttention.backward(ctx, grad_out)[:3]
+
+
+def test_flash_attention_function_mistakes_are_named():
+    fails(check_flash_attention_function, SavesPattern, "size of the pattern")
+    fails(check_flash_attention_function, LseOnCtx, "exactly one saved tensor", "attribute of ctx")
+    fails(check_flash_attention_function, TooFewGradients, "None for causal")
+
+
+# ---- buckets ---------------------------------------------------------------------------------
+
+
+def test_make_buckets_alternative_passes():
+    def by_bytes(params, bucket_size_mb):
+        if bucket_size_mb is None:
+            return [[p] for p in params]
+        buckets, left = [], -1.0
+        for p in params:
+            size = p.nbytes / 2**20
+            if buckets and size <= left and buckets[-1][-1].dtype == p.dtype:
+                buckets[-1].append(p)
+                left -= size
+            else:
+                buckets.append([p])
+                left = bucket_size_mb - size
+        return buckets
+
+    check_make_buckets(by_bytes)
+
+
+def test_make_buckets_mistakes_are_named():
+    def variant(mib=2**20, element_bytes=True, by_dtype=True):
+        def make_buckets(params, bucket_size_mb):
+            if bucket_size_mb is None:
+                return [[p] for p in params]
+            buckets, used = [], 0
+            for p in params:
+                nbytes = p.numel() * (p.element_size() if element_bytes else 1)
+                new_dtype = by_dtype and buckets and buckets[-1][0].dtype != p.dtype
+                if not buckets or used + nbytes > bucket_size_mb * mib or new_dtype:
+                    buckets.append([])
+                    used = 0
+                buckets[-1].append(p)
+                used += nbytes
+            return buckets
+
+        return make_buckets
+
+    fails(check_make_buckets, variant(mib=10**6), "2**20")
+    fails(check_make_buckets, variant(element_bytes=False), "element_size")
+    fails(check_make_buckets, variant(by_dtype=False), "dtype")
+    fails(check_make_buckets, lambda params, size: [params], "expected buckets")
+
+
+# ---- two ranks -------------------------------------------------------------------------------
+
+
+class Summed(data_parallel.DataParallel):
+    """Sums the gradients without dividing by the world size."""
+
+    def _start(self, bucket):
+        super()._start(bucket)
+        bucket.work.wait()
+        bucket.flat[: -len(bucket.params)].mul_(self.world_size)
+
+
+class NotWrittenBack(data_parallel.DataParallel):
+    """Waits for the all-reduces but never copies the averages into the gradients."""
+
+    def finish_gradient_synchronization(self):
+        for bucket in self._buckets[self._next :]:
+            self._start(bucket)
+        for bucket in self._buckets:
+            bucket.work.wait()
+            bucket.ready, bucket.flat, bucket.work = 0, None, None
+        self._has_grad.clear()
+        self._next = 0
+
+
+class ZeroForUnused(data_parallel.DataParallel):
+    """Gives every parameter a gradient, zeros where no rank used it."""
+
+    def finish_gradient_synchronization(self):
+        super().finish_gradient_synchronization()
+        for bucket in self._buckets:
+            for p in bucket.params:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+
+
+@needs_dist
+def test_data_parallel_mistakes_are_named():
+    fails(check_data_parallel, Summed, "divide by the world size")
+    fails(check_data_parallel, NotWrittenBack, "write the averaged gradient back")
+    fails(check_data_parallel, ZeroForUnused, "grad None")
+
+
+class NoBroadcast(sharded.ShardedOptimizer):
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group, j in zip(self.param_groups, self._local_group):
+            if j is not None:
+                local = self.optimizer.param_groups[j]
+                local.update({k: v for k, v in group.items() if k != "params"})
+        self.optimizer.step()
+
+
+class StaleLearningRate(sharded.ShardedOptimizer):
+    @torch.no_grad()
+    def step(self, closure=None):
+        self.optimizer.step()
+        for group in self.param_groups:
+            for p in group["params"]:
+                dist.broadcast(p, src=self.owner[p])
+
+
+class Hangs(sharded.ShardedOptimizer):
+    """Rank 1 skips the broadcasts, so rank 0 waits for them forever."""
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        if self.rank == 0:
+            super().step()
+        else:
+            self.optimizer.step()
+
+
+@needs_dist
+def test_sharded_optimizer_mistakes_are_named(monkeypatch):
+    fails(check_sharded_optimizer, NoBroadcast, "broadcast each parameter from its owner")
+    fails(check_sharded_optimizer, StaleLearningRate, "copy each group's settings")
+    monkeypatch.setattr("transformer_course.checks.scaling.RANKS_TIMEOUT", 10)
+    fails(check_sharded_optimizer, Hangs, "same collectives")
+
+
+class SummedShards(sharded.FullyShardedDataParallel):
+    def _reduce_scatter(self, shard, grad_full):
+        super()._reduce_scatter(shard, grad_full * self.world_size)
+
+
+class WholeCopies(sharded.FullyShardedDataParallel):
+    """Keeps every parameter whole on every rank (and so trains right)."""
+
+    def _make_shard(self, p):
+        shard = nn.Parameter(p.detach().float().flatten().clone(), requires_grad=p.requires_grad)
+        self._shards[shard] = sharded._Shard(p.shape, p.numel(), p.numel())
+        return shard
+
+    def _all_gather(self, shard, dtype=None):
+        info = self._shards[shard]
+        return shard.detach().to(dtype or self.compute_dtype).view(info.shape)
+
+    def _reduce_scatter(self, shard, grad_full):
+        out = grad_full.flatten().float() / self.world_size
+        self._pending.append((shard, out, dist.all_reduce(out, async_op=True)))
+
+
+@needs_dist
+def test_fsdp_mistakes_are_named():
+    fails(check_fsdp, SummedShards, "divide by the world size")
+    fails(check_fsdp, WholeCopies, "ceil(numel / world_size)")
