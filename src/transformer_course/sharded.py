@@ -57,7 +57,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
     sets `group["lr"]` there, as usual); `optimizer` is this rank's own, and `state_dict()` is
     this rank's shard of the state.
 
-    Course: exercise 8.8, checked by checks.scaling.check_sharded_optimizer.
+    Course: chapter 8, exercise 8.8, checked by checks.scaling.check_sharded_optimizer.
     """
 
     def __init__(
@@ -236,7 +236,7 @@ class FullyShardedDataParallel(nn.Module):
         optimizer.step()
         state = model.gather_full_params()   # every rank: the whole float32 state dict
 
-    Course: exercise 8.9, checked by checks.scaling.check_fsdp.
+    Course: chapter 8, exercise 8.9, checked by checks.scaling.check_fsdp.
     """
 
     def __init__(self, module: nn.Module, compute_dtype: torch.dtype | None = None) -> None:

@@ -43,7 +43,7 @@ ID_BYTES = 8  # an int64 token id
 def param_count(cfg: GPT2Config | LlamaConfig) -> int:
     """The number of parameters of `GPT2(cfg)` or `Llama(cfg)`, a tied embedding counted once.
 
-    Course: exercise 8.1, checked by checks.scaling.check_param_count.
+    Course: chapter 8, exercise 8.1, checked by checks.scaling.check_param_count.
     """
     d, v, n_heads, d_head = cfg.d_model, cfg.d_vocab, cfg.n_heads, cfg.d_head
     if _is_gpt2(cfg):
@@ -81,7 +81,7 @@ def flops_per_token(cfg: GPT2Config | LlamaConfig, seq_len: int) -> int:
     token and layer in the forward, three times that with the backward (L layers, H query heads
     of size Q, T positions). Causal attention could skip half of them; the count does not.
 
-    Course: exercise 8.2, checked by checks.scaling.check_flops_per_token.
+    Course: chapter 8, exercise 8.2, checked by checks.scaling.check_flops_per_token.
     """
     validate.positive_int("seq_len", seq_len)
     attention = 12 * cfg.n_layers * cfg.n_heads * cfg.d_head * seq_len
