@@ -83,7 +83,13 @@ EXCEPTIONS: dict[tuple[str, str], str] = {
     ("solutions/07_llama.ipynb", "load_parts(globals(), chapter=7)"): (
         "the parts table: '1.1' and so on are exercise numbers, and whose each part is, exact"
     ),
+    ("solutions/08_scaling.ipynb", "load_parts(globals(), chapter=8)"): (
+        "the parts table: '1.1' and so on are exercise numbers, and whose each part is, exact"
+    ),
     ("solutions/07_llama.ipynb", "whose = whose_parts(globals(), chapter=7)"): (
+        "the parts table again, not a claim: whose each part is depends on the learner's work"
+    ),
+    ("solutions/08_scaling.ipynb", "whose = whose_parts(globals(), chapter=8)"): (
         "the parts table again, not a claim: whose each part is depends on the learner's work"
     ),
 }

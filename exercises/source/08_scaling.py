@@ -108,7 +108,7 @@ keep(flops_per_token)
 # With both, the first lines of a step's bill. For GPT-2 small (tied embeddings, as OpenAI's)
 # at its full context of 1,024 tokens:
 
-# %% tags=nbval-ignore-output
+# %% [check] tags=nbval-ignore-output
 small = GPT2Config(tie_embeddings=True)
 n = param_count(small)
 print(
@@ -216,7 +216,7 @@ keep(FlashAttention)
 # growing with the context; plain attention also keeps each head's pattern, growing with its
 # square.
 
-# %% tags=nbval-ignore-output
+# %% [check] tags=nbval-ignore-output
 for n_ctx in (256, 1024):
     q, k, v = (torch.randn(1, 4, n_ctx, 32, requires_grad=True) for _ in range(3))
     kept = {}
@@ -336,8 +336,9 @@ keep(ShardedOptimizer)
 #
 # - `_make_shard(p)`: flatten `p`, pad it with zeros to `world_size * shard_numel` elements,
 #   `shard_numel = ceil(numel / world_size)`, and return this rank's slice `self.rank *
-#   shard_numel ...` as a new float32 `nn.Parameter` (same `requires_grad`); record
-#   `self._shards[shard] = _Shard(p.shape, p.numel(), shard_numel)`.
+#   shard_numel ...` as a new float32 `nn.Parameter` (same `requires_grad`), and record how
+#   it was cut: `self._shards` maps the new parameter to a `_Shard` of the whole's shape, its
+#   number of elements and `shard_numel`.
 # - `_all_gather(shard, dtype=None)`: the whole parameter back, in `dtype` (default
 #   `self.compute_dtype`): every rank's slice gathered into one flat tensor with
 #   `all_gather_single(flat, mine)`, the padding cut off, and the original shape.
