@@ -7,8 +7,10 @@ import einops
 import pytest
 import torch
 import torch.nn.functional as F
+from checking import fails
 from torch import nn
 
+from transformer_course import validate
 from transformer_course.attention import (
     MultiHeadAttention,
     attention_scores,
@@ -21,6 +23,7 @@ from transformer_course.checks.attention import (
 )
 from transformer_course.checks.harness import CheckFailure
 from transformer_course.masking import causal_mask
+from transformer_course.runtime import upcast
 
 
 def test_reference_passes(capsys):
@@ -75,6 +78,28 @@ def test_attention_scores_bugs(fn, word):
     assert word in str(info.value)
 
 
+def test_attention_scores_without_the_upcast_is_caught():
+    """float16 scores for float16 inputs: the stated rule is float32, and the dot products of
+    the check overflow float16."""
+    fails(check_attention_scores, lambda q, k: scores_unscaled(q, k) / 4, "float32 scores")
+
+
+def test_attention_scores_upcast_after_the_product_is_caught():
+    def late(q, k):
+        return (q @ k.transpose(-1, -2)).float() / math.sqrt(q.shape[-1])
+
+    fails(check_attention_scores, late, "float16 q and k", "inf where", "upcast q and k")
+
+
+def test_attention_scores_with_its_own_upcast_passes():
+    def own(q, k):
+        if q.dtype in (torch.float16, torch.bfloat16):
+            q, k = q.float(), k.float()
+        return torch.einsum("...qd,...kd->...qk", q, k) / math.sqrt(q.shape[-1])
+
+    check_attention_scores(own)
+
+
 def _softmax(scores, how):
     """Three correct softmaxes over the last dim, and the naive one that overflows."""
     if how == "F.softmax":
@@ -89,6 +114,8 @@ def _softmax(scores, how):
 
 def sdpa_variant(bug="", *, product="matmul", softmax="method"):
     def sdpa(q, k, v, mask=None):
+        if bug != "unvalidated":
+            validate.attention_inputs(q, k, v, mask)
         if product == "einsum":
             scores = einops.einsum(q, k, "... q d, ... k d -> ... q k")
         else:
@@ -117,6 +144,21 @@ def sdpa_variant(bug="", *, product="matmul", softmax="method"):
 )
 def test_sdpa_valid_alternatives_pass(product, softmax):
     check_scaled_dot_product_attention(sdpa_variant(product=product, softmax=softmax))
+
+
+def test_sdpa_that_refuses_bad_inputs_its_own_way_passes():
+    def own_checks(q, k, v, mask=None):
+        if k.shape[-1] != q.shape[-1] or v.shape[-2] != k.shape[-2]:
+            raise ValueError(f"k, v: shapes {tuple(k.shape)}, {tuple(v.shape)} do not fit q")
+        if mask is not None and mask.ndim > q.ndim:
+            raise ValueError(f"mask: too many dims, {tuple(mask.shape)}")
+        return sdpa_variant("unvalidated")(q, k, v, mask)
+
+    check_scaled_dot_product_attention(own_checks)
+
+
+def test_sdpa_without_its_input_checks_is_caught():
+    fails(check_scaled_dot_product_attention, sdpa_variant("unvalidated"), "d_head 6", "ValueError")
 
 
 def test_sdpa_that_upcasts_half_precision_passes():
@@ -189,6 +231,7 @@ class BuggyMHA(MultiHeadAttention):
             allowed = causal_mask(x.shape[1], k.shape[1])
             mask = allowed if mask is None else allowed & mask
         honours_fast_path = ("", "tl_style", "ignore_cache", "pattern_hook_discarded")
+        honours_fast_path += ("half_pattern_kept_float32",)
         fused = self.fast_path if self.bug in honours_fast_path else False
         if self.bug == "always_fused" or fused:
             heads = (einops.rearrange(t, "b p h d -> b h p d") for t in (q, k, v))
@@ -196,6 +239,8 @@ class BuggyMHA(MultiHeadAttention):
             z = self.hook_z(einops.rearrange(z, "b h q d -> b q h d"))
             out = einops.einsum(z, self.W_O, "b q h d, h d m -> b q m")
             return _plus(out, self.b_O)
+        if self.bug == "half_pattern_kept_float32":  # upcast, never cast back for v
+            q, k = upcast(q), upcast(k)
         scores = einops.einsum(q, k, "b q h d, b k h d -> b h q k")
         if self.bug != "no_scale":
             scores = scores / math.sqrt(self.d_head)
@@ -309,6 +354,15 @@ def test_sdpa_that_returns_float32_for_half_inputs_is_named():
 
     with pytest.raises(CheckFailure, match=r"float16 inputs(.|\n)*expected float16 results"):
         check_scaled_dot_product_attention(float32_results)
+
+
+def test_mha_that_crashes_in_half_precision_is_caught():
+    fails(
+        check_multi_head_attention,
+        buggy("half_pattern_kept_float32"),
+        "torch.float16",
+        "bring the pattern to v's dtype",
+    )
 
 
 def test_mha_that_ignores_the_kv_cache_is_named():

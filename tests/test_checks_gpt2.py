@@ -31,6 +31,7 @@ from transformer_course.checks.gpt2 import (
     check_unembed,
     check_weight_conversion,
 )
+from transformer_course.checks.harness import CheckFailure
 from transformer_course.gpt2 import (
     GPT2,
     Embed,
@@ -410,7 +411,25 @@ def test_top_p_filter_bugs_are_named():
             probs.cumsum(-1) - probs >= top_p, -math.inf
         )  # mask in sorted order
 
-    fails(check_top_p_filter, stays_sorted, "scatter the mask")
+    fails(check_top_p_filter, stays_sorted, "never went back to vocabulary order")
+
+    def keeps_the_first_but_drops_the_crossing_token(logits, top_p):
+        probs, order = logits.softmax(-1).sort(-1, descending=True)
+        drop = probs.cumsum(-1) > top_p
+        drop[..., 0] = False  # the likeliest always stays
+        return logits.masked_fill(drop.scatter(-1, order, drop), -math.inf)
+
+    fails(check_top_p_filter, keeps_the_first_but_drops_the_crossing_token, "carries the total")
+
+    def returns_sorted_logits(logits, top_p):
+        ordered = logits.sort(-1, descending=True).values
+        probs = ordered.softmax(-1)
+        return ordered.masked_fill(probs.cumsum(-1) - probs >= top_p, -math.inf)
+
+    with pytest.raises(CheckFailure) as info:
+        check_top_p_filter(returns_sorted_logits)
+    assert "come back in sorted order" in str(info.value)
+    assert "nan" not in str(info.value), str(info.value)
 
     def renormalises(logits, top_p):
         return top_p_filter(logits, top_p).log_softmax(-1)
@@ -893,7 +912,9 @@ def _loop(
                 else:
                     val_loss = evaluate(model)
                 history.evals.append({"step": step + 1, "val_loss": val_loss})
-                if best == "last" or not history.best or val_loss < history.best["val_loss"]:
+                so_far = history.best.get("val_loss", math.inf)
+                lower = val_loss <= so_far if best == "later on a tie" else val_loss < so_far
+                if best == "last" or lower:
                     history.best = {"step": step + 1, "val_loss": val_loss}
                     state = model.state_dict()
                     history.best_state = state if best == "live" else copy.deepcopy(state)
@@ -926,6 +947,19 @@ def test_train_loop_reference_and_a_written_out_one_pass(capsys):
 )
 def test_train_loop_mistakes_are_named(knob, words):
     fails(check_train_loop, _loop(**knob), *words)
+
+
+def test_train_loop_that_keeps_the_later_of_two_equal_losses_passes():
+    check_train_loop(_loop(best="later on a tie"))  # `<=`: a tie is free
+
+
+def test_train_loop_that_leaves_the_model_in_eval_mode_is_named():
+    def ends_in_eval(*args, **options):
+        history = train_loop(*args, **options)
+        args[0].eval()
+        return history
+
+    fails(check_train_loop, ends_in_eval, "left in eval mode after the loop", "train mode")
 
 
 def test_train_loop_that_drops_grad_clip_is_named():
@@ -993,3 +1027,26 @@ def test_against_huggingface_names_a_forward_that_returns_no_logits():
     tokens = torch.randint(29, (2, 10), generator=torch.Generator().manual_seed(1))
     against = lambda model: check_against_huggingface(model, hf, tokens)
     fails(against, Tupled.from_huggingface(hf), "logits", "expected shape (2, 10, 29), got tuple")
+
+
+def test_generate_with_one_top_k_threshold_for_the_whole_batch_is_named():
+    def batch_threshold(model, tokens, max_new_tokens, *, temperature=1.0, top_k=None, **options):
+        if top_k is None:
+            return generate(model, tokens, max_new_tokens, temperature=temperature, **options)
+        with evaluating(model):
+            for _ in range(max_new_tokens):
+                logits = model(tokens[:, -model.cfg.n_ctx :])[:, -1] / temperature
+                kth = logits.flatten().topk(top_k).values[-1]  # one for the whole batch
+                probs = logits.masked_fill(logits < kth, -math.inf).softmax(-1)
+                tokens = torch.cat([tokens, torch.multinomial(probs, 1)], dim=1)
+        return tokens
+
+    fails(check_generate, batch_threshold, "top_k=3, four different prompts", "one per row")
+
+
+def test_pos_embed_without_the_batch_dim_is_told_so():
+    class NoBatch(PosEmbed):
+        def forward(self, tokens):
+            return self.W_pos[: tokens.shape[1]]
+
+    fails(check_pos_embed, NoBatch, "got (7, 16)", "leading dims (3,) are missing")

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from checking import fails
 
+from transformer_course import validate
 from transformer_course.checks.harness import CheckFailure
 from transformer_course.checks.layernorm import check_layernorm, check_rmsnorm
 from transformer_course.layernorm import LayerNorm, RMSNorm
@@ -38,6 +40,8 @@ def test_valid_alternatives_pass():
     precision with `.float()` and casts back, and an RMSNorm written with `reciprocal`."""
 
     def var_mean(self, x):
+        if x.shape[-1] != self.d_model:
+            raise ValueError(f"x: expected last dim {self.d_model}, got shape {tuple(x.shape)}")
         y = _float32_inside(x)
         var, mean = torch.var_mean(y, dim=-1, keepdim=True, correction=0)
         scale = self.hook_scale(torch.sqrt(var + self.eps))
@@ -45,13 +49,13 @@ def test_valid_alternatives_pass():
         return (normalized * self.w + self.b).to(x.dtype)
 
     def upcast_half(self, x):
-        y = _float32_inside(x)
+        y = _float32_inside(validate.last_dim("x", x, self.d_model))
         centred = y - y.mean(-1, keepdim=True)
         std = self.hook_scale(centred.pow(2).mean(-1, keepdim=True).add(self.eps).sqrt())
         return (self.hook_normalized(centred / std) * self.w + self.b).to(x.dtype)
 
     def rms_reciprocal(self, x):
-        y = _float32_inside(x)
+        y = _float32_inside(validate.last_dim("x", x, self.d_model))
         scale = self.hook_scale(y.pow(2).mean(-1, keepdim=True).add(self.eps).sqrt())
         return (self.hook_normalized(y * scale.reciprocal()) * self.w).to(x.dtype)
 
@@ -60,15 +64,42 @@ def test_valid_alternatives_pass():
     check_rmsnorm(rmsnorm_with(rms_reciprocal))
 
 
-def _layer_norm_in(*, upcast: bool, cast_back: bool = True):
+def _layer_norm_in(*, upcast: bool, cast_back: bool = True, half_eps_outside: bool = False):
     def forward(self, x):
+        validate.last_dim("x", x, self.d_model)
         y = _float32_inside(x) if upcast else x
+        if half_eps_outside and x.dtype in (torch.float16, torch.bfloat16):
+            centred = y - y.mean(-1, keepdim=True)
+            std = self.hook_scale(centred.pow(2).mean(-1, keepdim=True).sqrt() + self.eps)
+            return (self.hook_normalized(centred / std) * self.w + self.b).to(x.dtype)
         centred = y - y.mean(-1, keepdim=True)
         std = self.hook_scale((centred.pow(2).mean(-1, keepdim=True) + self.eps).sqrt())
         out = self.hook_normalized(centred / std) * self.w + self.b
         return out.to(x.dtype) if cast_back else out
 
     return layernorm_with(forward)
+
+
+def test_eps_outside_the_root_in_half_precision_is_caught():
+    """A half-precision path of its own (here with eps after the square root) is checked as
+    closely as the float64 one: a large eps where it shows, in float16 and bfloat16."""
+    fails(
+        check_layernorm,
+        _layer_norm_in(upcast=True, half_eps_outside=True),
+        "eps=0.25",
+        "float16 input",
+        "eps inside the square root",
+    )
+
+
+def test_a_norm_that_does_not_check_its_input_is_caught():
+    def unchecked(self, x):
+        y = _float32_inside(x)
+        centred = y - y.mean(-1, keepdim=True)
+        std = self.hook_scale((centred.pow(2).mean(-1, keepdim=True) + self.eps).sqrt())
+        return (self.hook_normalized(centred / std) * self.w + self.b).to(x.dtype)
+
+    fails(check_layernorm, layernorm_with(unchecked), "shape (2, 3, 1)", "validate.last_dim")
 
 
 def test_half_precision_without_float32_inside_is_named():

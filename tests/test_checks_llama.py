@@ -162,6 +162,8 @@ def test_rotate_pairs_mistakes_are_named(bug, word):
 
 def rotary_with(bug=""):
     def forward(self, x, positions=None, *, offset=0):
+        if bug != "unchecked" and positions is None and offset + x.shape[-2] > self.n_ctx:
+            raise ValueError(f"offset: {offset} + {x.shape[-2]} positions past n_ctx={self.n_ctx}")
         if positions is None or bug == "positions ignored":
             start = 0 if bug == "offset ignored" else offset + (bug == "off by one")
             return rope.rotate_pairs(
@@ -176,6 +178,8 @@ def test_rotary_embedding_alternative_passes():
     def forward(self, x, positions=None, *, offset=0):
         if positions is None:
             positions = torch.arange(offset, offset + x.shape[-2])
+        if positions.max() >= self.n_ctx:
+            raise ValueError(f"positions: expected below n_ctx={self.n_ctx}")
         return rope.apply_rope(x, positions, self.theta)
 
     check_rotary_embedding(learner(rope.RotaryEmbedding, forward=forward))
@@ -192,6 +196,22 @@ def test_rotary_embedding_alternative_passes():
 )
 def test_rotary_embedding_mistakes_are_named(bug, word):
     fails(check_rotary_embedding, rotary_with(bug), word)
+
+
+def test_rotary_embedding_without_its_range_check_is_caught():
+    fails(check_rotary_embedding, rotary_with("unchecked"), "offset=32", "ValueError")
+
+
+def test_float32_inside_for_float64_inputs_is_told_precision_not_formula():
+    def rotate_in_float32(x, cos, sin):
+        return rope.rotate_pairs(x.float(), cos.float(), sin.float())
+
+    fails(check_rotate_pairs, rotate_in_float32, "float32 output", "precision", "float64 here")
+
+    def cross_entropy_in_float32(logits, targets):
+        return F.cross_entropy(logits.float().flatten(0, -2), targets.flatten())
+
+    fails(check_cross_entropy, cross_entropy_in_float32, "float32 output", "precision")
 
 
 def test_rotary_embedding_past_its_tables_or_returning_nothing_is_named():

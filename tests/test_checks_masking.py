@@ -7,6 +7,7 @@ import operator
 import pytest
 import torch
 import torch.nn.functional as F
+from checking import fails
 
 from transformer_course import validate
 from transformer_course.checks.harness import CheckFailure
@@ -76,6 +77,32 @@ def test_causal_mask_bugs(fn, word):
     assert word in str(info.value)
 
 
+def test_causal_mask_without_its_length_checks_is_caught():
+    fails(check_causal_mask, _causal(), "causal_mask(0)", "an empty mask", "ValueError")
+
+
+def test_causal_mask_that_accepts_fewer_keys_than_queries_is_caught():
+    def positive_only(q_len, k_len=None, *, device=None):
+        validate.positive_int("q_len", q_len)
+        return _causal()(q_len, k_len, device=device)
+
+    fails(check_causal_mask, positive_only, "causal_mask(4, 2)", "no key at all")
+
+
+def test_causal_mask_with_its_own_length_checks_passes():
+    def own_checks(q_len, k_len=None, *, device=None):
+        if not isinstance(q_len, int) or q_len < 1 or (k_len is not None and k_len < q_len):
+            raise ValueError(f"q_len, k_len: expected 1 <= q_len <= k_len, got {q_len}, {k_len}")
+        return _causal()(q_len, k_len, device=device)
+
+    check_causal_mask(own_checks)
+
+
+def test_a_helper_called_with_its_arguments_swapped_says_so():
+    with pytest.raises(TypeError, match=r"name \(a str\) first.*got 4 where the name goes"):
+        validate.positive_int(4, "q_len")
+
+
 @pytest.mark.parametrize(
     ("fn", "word"),
     [
@@ -127,6 +154,13 @@ def test_masked_softmax_bugs(fn, word):
     with pytest.raises(CheckFailure) as info:
         check_masked_softmax(fn)
     assert word in str(info.value)
+
+
+def test_masked_softmax_that_returns_float32_for_half_scores_is_caught():
+    def stays_float32(scores, mask=None):
+        return masked_softmax(scores.float() if scores.dtype == torch.float16 else scores, mask)
+
+    fails(check_masked_softmax, stays_float32, "float16 scores", "expected a float16 pattern")
 
 
 def _manual_softmax(scores):
@@ -204,7 +238,7 @@ def combine_with(op):
 
     def combine(*masks):
         present = [
-            validate.bool_mask(m, f"masks[{i}]") for i, m in enumerate(masks) if m is not None
+            validate.bool_mask(f"masks[{i}]", m) for i, m in enumerate(masks) if m is not None
         ]
         return functools.reduce(op, present) if present else None
 
@@ -225,12 +259,12 @@ def combine_or(*masks):
 
 
 def combine_by_stacking(*masks):
-    present = [validate.bool_mask(m) for m in masks if m is not None]
+    present = [validate.bool_mask("mask", m) for m in masks if m is not None]
     return torch.stack(present).all(0) if present else None
 
 
 def combine_expanded_to_first(*masks):
-    present = [validate.bool_mask(m) for m in masks if m is not None]
+    present = [validate.bool_mask("mask", m) for m in masks if m is not None]
     if not present:
         return None
     combined = present[0].clone()
@@ -245,19 +279,19 @@ def combine_without_validation(*masks):
 
 
 def combine_none_crashes(*masks):
-    return functools.reduce(operator.and_, [validate.bool_mask(m) for m in masks])
+    return functools.reduce(operator.and_, [validate.bool_mask("mask", m) for m in masks])
 
 
 def combine_none_as_all_true(*masks):
     combined = torch.tensor(True)
     for i, mask in enumerate(masks):
         if mask is not None:
-            combined = combined & validate.bool_mask(mask, f"masks[{i}]")
+            combined = combined & validate.bool_mask(f"masks[{i}]", mask)
     return combined
 
 
 def combine_in_place(*masks):
-    present = [validate.bool_mask(m) for m in masks if m is not None]
+    present = [validate.bool_mask("mask", m) for m in masks if m is not None]
     if not present:
         return None
     combined = present[0]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections import defaultdict
+
 import pytest
 import regex
 
@@ -115,13 +117,17 @@ def test_pair_counts_skipping_overlaps_is_caught() -> None:
     fails_with(check_get_pair_counts, skips_overlaps, "Overlapping pairs all count")
 
 
-def naive_train(chunk_counts, num_merges, *, merge=tokenization.merge_pair, weighted=True):
+def naive_train(
+    chunk_counts, num_merges, *, merge=tokenization.merge_pair, weighted=True, stops=True
+):
     chunks = {tuple(c): w for c, w in chunk_counts.items()}
     merges = {}
     for step in range(num_merges):
         counts = {}
         for chunk, weight in chunks.items():
             tokenization.get_pair_counts(chunk, counts, weight if weighted else 1)
+        if not counts and stops:
+            break
         pair = max(counts, key=counts.get)
         merges[pair] = 256 + step
         chunks = {tuple(merge(list(c), pair, 256 + step)): w for c, w in chunks.items()}
@@ -130,6 +136,86 @@ def naive_train(chunk_counts, num_merges, *, merge=tokenization.merge_pair, weig
 
 def test_train_merges_naive_but_correct_passes() -> None:
     check_train_merges(naive_train)  # ties broken differently from the reference are fine
+
+
+def test_train_merges_with_the_largest_pair_on_a_tie_passes() -> None:
+    def largest_on_tie(chunk_counts, num_merges):
+        chunks, merges = [list(c) for c in chunk_counts], {}
+        weights = list(chunk_counts.values())
+        while len(merges) < num_merges:
+            counts = {}
+            for chunk, weight in zip(chunks, weights):
+                tokenization.get_pair_counts(chunk, counts, weight)
+            if not counts:
+                return merges
+            pair = max(counts, key=lambda p: (counts[p], p))  # the reference takes the smallest
+            merges[pair] = 256 + len(merges)
+            chunks = [tokenization.merge_pair(c, pair, merges[pair]) for c in chunks]
+        return merges
+
+    check_train_merges(largest_on_tie)
+
+
+def test_train_merges_that_crashes_when_no_pair_is_left_is_caught() -> None:
+    fails_with(
+        check_train_merges, lambda c, n: naive_train(c, n, stops=False), "no chunk has a pair left"
+    )
+
+
+def test_train_merges_that_merges_pairs_no_longer_present_is_caught() -> None:
+    def keeps_going(chunk_counts, num_merges):
+        """Bug: counts kept up to date, but a pair whose count fell to 0 stays a candidate."""
+        chunks, counts, merges = [list(c) for c in chunk_counts], {}, {}
+        for chunk, weight in zip(chunks, chunk_counts.values()):
+            tokenization.get_pair_counts(chunk, counts, weight)
+        while len(merges) < num_merges:
+            pair = max(counts, key=counts.get)
+            merges[pair] = 256 + len(merges)
+            for index, (chunk, weight) in enumerate(zip(chunks, chunk_counts.values())):
+                tokenization.get_pair_counts(chunk, counts, -weight)
+                chunks[index] = tokenization.merge_pair(chunk, pair, merges[pair])
+                tokenization.get_pair_counts(chunks[index], counts, weight)
+            del counts[pair]
+        return merges
+
+    fails_with(check_train_merges, keeps_going, "a pair whose count fell to 0")
+
+
+def test_train_merges_that_stops_at_pairs_seen_once_is_caught() -> None:
+    def min_frequency_two(chunk_counts, num_merges):
+        merges = tokenization.train_merges(chunk_counts, num_merges)
+        chunks = [list(c) for c in chunk_counts]
+        for index, (pair, new_id) in enumerate(merges.items()):
+            counts = {}
+            for chunk, weight in zip(chunks, chunk_counts.values()):
+                tokenization.get_pair_counts(chunk, counts, weight)
+            if counts[pair] < 2:
+                return dict(list(merges.items())[:index])
+            chunks = [tokenization.merge_pair(c, pair, new_id) for c in chunks]
+        return merges
+
+    fails_with(check_train_merges, min_frequency_two, "a pair that occurs once")
+
+
+def test_pair_counts_crash_on_filled_counts_names_the_call_and_a_hint() -> None:
+    def defaultdict_only_when_none(ids, counts=None, weight=1):
+        counts = defaultdict(int) if counts is None else counts
+        for pair in zip(ids, ids[1:]):
+            counts[pair] += weight  # a KeyError in a plain dict without the pair
+        return counts
+
+    with pytest.raises(CheckFailure) as info:
+        check_get_pair_counts(defaultdict_only_when_none)
+    message = str(info.value)
+    assert "counts={(1, 2): 1}, weight=3)` raised KeyError" in message, message
+    assert "may already hold pairs" in message, message
+
+
+def test_messages_never_cut_an_argument_in_the_middle() -> None:
+    with pytest.raises(CheckFailure) as info:
+        check_decode_ids(lambda ids, vocab: "".join(vocab[i].decode("latin-1") for i in ids))
+    call = str(info.value).splitlines()[0]
+    assert "...} (259 entries)" in call and "b'\\x0" not in call.split("...}")[0][-4:], call
 
 
 def test_train_merges_overlapping_merge_is_caught() -> None:

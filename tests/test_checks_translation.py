@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 
 import pytest
@@ -146,7 +147,7 @@ def test_padding_counted_in_the_loss_is_caught():
             logits.flatten(0, 1), targets.flatten(), label_smoothing=smoothing
         )
 
-    with pytest.raises(CheckFailure, match="padding positions count"):
+    with pytest.raises(CheckFailure, match="ignore_index: the positions"):
         check_label_smoothing(counts_padding)
 
 
@@ -245,6 +246,8 @@ def test_valid_alternatives_pass():
     """A loss written with `F.cross_entropy` and a greedy loop over rows one at a time."""
 
     def with_cross_entropy(logits, targets, *, smoothing=0.1, ignore_index=None):
+        if ignore_index is not None and (targets == ignore_index).all():
+            return logits.sum() * 0  # no position counts
         return torch.nn.functional.cross_entropy(
             logits.flatten(0, 1),
             targets.flatten(),
@@ -355,34 +358,85 @@ def test_beam_search_that_is_greedy_or_shares_beams_across_rows_is_caught():
         check_beam_search(first_row_only)
 
 
-def test_an_exhaustive_search_passes_as_a_beam_search():
-    """Scoring every full hypothesis up to max_new_tokens is a valid (slow) alternative on small
-    trees."""
+@torch.no_grad()
+def listed_beam_search(
+    model,
+    src,
+    *,
+    bos_id,
+    eos_id,
+    max_new_tokens=None,
+    beam_size=4,
+    length_penalty=0.6,
+    max_len=None,
+    bug="",
+):
+    """Beam search with Python lists, row by row; `bug` switches on one classic mistake."""
+    if max_new_tokens is None:
+        if max_len is None:
+            raise ValueError("max_new_tokens: expected an int, got None")
+        max_new_tokens = max_len
+    power = {"raw sum": 0.0, "length itself": 1.0}.get(bug, length_penalty)
+    rows, was_training = [], model.training
+    model.eval()
+    for row in src:
+        memory, mask = model.encode(row[None]), model.src_mask(row[None])
+        live, done = [([bos_id], 0.0)], []
+        for step in range(max_new_tokens):
+            candidates = []
+            for ids, score in live:
+                logits = model.decode(torch.tensor([ids]), memory, mask)[0, -1]
+                for token, lp in enumerate(logits.float().log_softmax(-1).tolist()):
+                    candidates.append((score + lp, ids, token))
+            candidates = sorted(candidates, key=lambda c: -c[0])[: 2 * beam_size]
+            live, length = [], step + (0 if bug == "length without </s>" else 1)
+            for score, ids, token in candidates:
+                if len(live) == beam_size and bug != "every </s> set aside":
+                    break
+                if token == eos_id:
+                    done.append((score / max(length, 1) ** power, ids[1:]))
+                elif len(live) < beam_size:
+                    live.append((ids + [token], score))
+            if len(done) >= beam_size or not live:
+                break
+        if not done and bug != "live beams left out":
+            done = [(score / (len(ids) - 1) ** power, ids[1:]) for ids, score in live]
+        rows.append(max(done, key=lambda d: d[0])[1] if done else [])
+    model.train(was_training)
+    return rows
 
-    def exhaustive(model, src, *, bos_id, eos_id, max_new_tokens, beam_size=4):
-        if beam_size == 1:
-            return greedy_decode(
-                model, src, bos_id=bos_id, eos_id=eos_id, max_new_tokens=max_new_tokens
-            )
-        rows = []
-        for row in src:
-            memory, mask = model.encode(row[None]), model.src_mask(row[None])
-            live, done = [([bos_id], 0.0)], []
-            for _ in range(max_new_tokens):
-                grown = []
-                for ids, score in live:
-                    log_probs = model.decode(torch.tensor([ids]), memory, mask)[0, -1].log_softmax(
-                        -1
-                    )
-                    for token, lp in enumerate(log_probs.tolist()):
-                        (done if token == eos_id else grown).append(
-                            (ids[1:] if token == eos_id else ids + [token], score + lp)
-                        )
-                live = sorted(grown, key=lambda item: -item[1])[:beam_size]
-            rows.append(max(done, key=lambda item: item[1])[0])
-        return rows
 
-    check_beam_search(exhaustive)
+def test_a_beam_search_written_with_lists_passes():
+    check_beam_search(listed_beam_search)
+
+
+@pytest.mark.parametrize(
+    ("bug", "words"),
+    [
+        ("raw sum", ["an early </s>", "not by the raw sum"]),
+        ("length itself", ["left at its default, 0.6", "not by the length itself"]),
+        ("length without </s>", ["different lengths", "its tokens and its </s>"]),
+        ("every </s> set aside", ["an unlikely </s>", "not set aside"]),
+        ("live beams left out", ["no translation ends", "the live beams compete"]),
+    ],
+)
+def test_beam_search_length_and_stopping_mistakes_are_named(bug, words):
+    fails(check_beam_search, functools.partial(listed_beam_search, bug=bug), *words)
+
+
+def test_beam_search_with_a_fixed_length_penalty_is_named():
+    def fixed(model, src, **options):
+        return listed_beam_search(model, src, **{**options, "length_penalty": 0.6})
+
+    fails(check_beam_search, fixed, "length_penalty=1.0", "not a fixed exponent")
+
+
+def test_decoding_without_any_length_is_refused():
+    def loops(model, src, *, bos_id, eos_id, max_new_tokens=None, max_len=None, **options):
+        steps = max_new_tokens or max_len or model.cfg.n_ctx  # None read as "up to n_ctx"
+        return greedy_decode(model, src, bos_id=bos_id, eos_id=eos_id, max_new_tokens=steps)
+
+    fails(check_greedy_decode, loops, "max_len=None", "refuse it with a ValueError")
 
 
 # ---- the residual sublayer --------------------------------------------------------------------
@@ -420,7 +474,7 @@ def sublayer_with(**wrong):
 @pytest.mark.parametrize(
     ("wrong", "words"),
     [
-        ({"norm_before_add": True}, "the norm comes after the residual add"),
+        ({"norm_before_add": True}, "the norm comes before the residual add here"),
         ({"swap": True}, "this is post-LN"),
         ({"always_pre": True}, r"norm='post'\)(.|\n)*this is pre-LN"),
         ({"normed_stream": True}, "add its output to resid itself"),
@@ -595,3 +649,50 @@ class EinsumMLP(MLP):
 
 def test_mlp_alternative_passes():
     check_mlp(EinsumMLP)
+
+
+def test_padding_counted_only_in_the_denominator_names_ignore_index():
+    def zeroed_but_counted(logits, targets, *, smoothing=0.1, ignore_index=None):
+        loss = label_smoothed_cross_entropy(logits, targets, smoothing=smoothing) * 0
+        log_probs = logits.log_softmax(-1)
+        kept = targets != ignore_index if ignore_index is not None else torch.ones_like(targets)
+        nll = -log_probs.gather(-1, targets[..., None]).squeeze(-1)
+        loss = loss + ((1 - smoothing) * nll + smoothing * -log_probs.mean(-1)) * kept
+        return loss.sum() / targets.numel()
+
+    fails(check_label_smoothing, zeroed_but_counted, "ignore_index: the positions")
+
+
+def test_label_smoothing_that_divides_by_zero_on_an_all_padding_batch_is_caught():
+    def zero_over_zero(logits, targets, *, smoothing=0.1, ignore_index=None):
+        return F.cross_entropy(
+            logits.flatten(0, 1),
+            targets.flatten(),
+            label_smoothing=smoothing,
+            ignore_index=-100 if ignore_index is None else ignore_index,
+        )
+
+    fails(check_label_smoothing, zero_over_zero, "every target is ignore_index", "its loss is 0")
+
+
+def test_schedule_that_divides_by_a_zero_warmup_is_caught():
+    def divides(step, *, lr, warmup_steps):
+        n = step + 1
+        return lr * min(n / warmup_steps, math.sqrt(warmup_steps / n))
+
+    fails(check_inverse_sqrt_lr, divides, "warmup_steps=0", "ZeroDivisionError", "no warmup")
+
+
+def test_encoder_decoder_without_its_id_checks_is_caught():
+    def unchecked(self, src):
+        x = self.src_embed(src)
+        for block in self.encoder:
+            x = block(x, self.src_mask(src))
+        return self.ln_enc(x) if self.cfg.norm == "pre" else x
+
+    fails(
+        check_encoder_decoder,
+        type("Unchecked", (EncoderDecoderTransformer,), {"encode": unchecked}),
+        "a source id -1",
+        "validate.token_tensor",
+    )

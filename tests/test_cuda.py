@@ -11,6 +11,15 @@ runner tests the GPU kernels against known-good numbers. Tolerances:
 
 Also here: SDPA's flash kernel on the fast path with `causal=True` (no mask built), a few
 training steps under `torch.compile`, and a non-finite step skipped by the device's optimizer.
+
+FlashAttention-2 in Triton, compiled for the GPU (tests/test_flash_attention_triton.py runs the
+same kernels in Triton's CPU interpreter), against SDPA and the course's `flash_attention` in
+float32 on the CPU, output and gradients, on the same (rounded) inputs. Tolerances, as a share
+of the reference's largest magnitude: `TRITON_RTOL`, bf16 2% and float16 0.4%. The output, the
+pattern and dS are rounded to the input dtype before (or after) a matmul: bf16 keeps 8 bits of
+mantissa (relative rounding up to 0.4% per value), float16 11 (0.05%). The same float16 cases in
+Triton's CPU interpreter stay within 0.06% (SDPA's own half-precision math on the CPU: 0.09%
+in float16, 0.9% in bf16). float32, whose matmuls run in full precision: `FLOAT32_ATOL`.
 """
 
 from __future__ import annotations
@@ -39,6 +48,8 @@ from transformer_course.attention import (
     set_fast_path,
 )
 from transformer_course.encoder_decoder import EncoderDecoderTransformer
+from transformer_course.flash_attention import flash_attention
+from transformer_course.flash_attention_triton import flash_attention_triton
 from transformer_course.gpt2 import GPT2, GPT2Config, lm_loss
 from transformer_course.layernorm import LayerNorm, RMSNorm
 from transformer_course.masking import causal_mask, combine_masks, padding_mask
@@ -50,6 +61,7 @@ DEVICES = ["cpu", pytest.param("cuda", marks=CUDA)]
 PRECISIONS = ["float32", "bf16"]
 FLOAT32_ATOL = 1e-4
 BF16_RTOL = 0.04
+TRITON_RTOL = {torch.bfloat16: 0.02, torch.float16: 0.004}
 
 
 def run_on(device: str, precision: str, fn, *args):
@@ -194,6 +206,51 @@ def test_encoder_decoder_matches_torch_transformer(device, precision, fast):
     set_fast_path(ours, fast)
     actual = run_on(device, precision, ours.to(device), *to(device, src, tgt))
     assert_matches(actual, expected, precision)
+
+
+# (dtype, leading dims, n_queries, n_keys, d, causal): a causal 1k context in both half
+# precisions; lengths that are not multiples of a tile, more keys than queries (a KV cache's
+# queries) and more queries than keys; every head dim.
+TRITON_CASES = [
+    (torch.bfloat16, (2, 4), 1024, 1024, 64, True),
+    (torch.float16, (2, 4), 1024, 1024, 64, True),
+    (torch.bfloat16, (3,), 1000, 1100, 128, True),
+    (torch.float16, (2, 2), 777, 555, 32, False),
+    (torch.float32, (2,), 100, 300, 16, True),
+    (torch.float32, (1, 2), 64, 64, 128, False),
+]
+
+
+@CUDA
+@pytest.mark.parametrize(("dtype", "lead", "n_queries", "n_keys", "d", "causal"), TRITON_CASES)
+def test_triton_flash_attention_matches_sdpa_and_flash_attention(
+    dtype, lead, n_queries, n_keys, d, causal
+):
+    pytest.importorskip("triton", reason="Triton is not installed")
+    generator = torch.Generator().manual_seed(9)
+    q, k, v, grad_out = (
+        torch.randn(*lead, n, d, generator=generator).to(dtype)
+        for n in (n_queries, n_keys, n_keys, n_queries)
+    )
+    on_gpu = [t.cuda().requires_grad_() for t in (q, k, v)]
+    out = flash_attention_triton(*on_gpu, causal)
+    grads = torch.autograd.grad(out, on_gpu, grad_out.cuda())
+    assert all(t.dtype == dtype for t in (out, *grads))
+    actual = [t.float().cpu() for t in (out, *grads)]
+    inputs = [t.float().requires_grad_() for t in (q, k, v)]
+    mask = causal_mask(n_queries, n_keys) if causal else None
+    for reference in (
+        F.scaled_dot_product_attention(*inputs, attn_mask=mask),
+        flash_attention(*inputs, causal),
+    ):
+        expected = [reference, *torch.autograd.grad(reference, inputs, grad_out.float())]
+        for name, got, want in zip(("out", "dq", "dk", "dv"), actual, expected):
+            want = want.detach()
+            atol = FLOAT32_ATOL
+            if dtype != torch.float32:
+                atol = TRITON_RTOL[dtype] * want.abs().max().item()
+            assert got.shape == want.shape and got.isfinite().all(), name
+            torch.testing.assert_close(got, want, atol=atol, rtol=0, msg=name)
 
 
 def tiny_training_run(device: str, *, compiled: bool, **settings):

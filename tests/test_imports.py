@@ -37,6 +37,7 @@ CHAPTER = {
     "optim": 7,
     "step_cost": 8,
     "flash_attention": 8,
+    "flash_attention_triton": 8,
     "data_parallel": 8,
     "sharded": 8,
     "ranks": 8,

@@ -1,6 +1,7 @@
 """Every package the course imports is declared: the package's own imports in `pyproject.toml`'s
-dependencies, the workbooks' and the book pages' in its `learn` extra, and the maintainers' (tests,
-scripts, benchmarks) in `requirements.txt`."""
+dependencies (an optional one, imported under `try: ... except ImportError`, in an extra), the
+workbooks' and the book pages' in its `learn` extra, and the maintainers' (tests, scripts,
+benchmarks) in `requirements.txt`."""
 
 from __future__ import annotations
 
@@ -29,6 +30,18 @@ def top_level_imports(code: str) -> set[str]:
             found |= {alias.name.split(".")[0] for alias in node.names}
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
             found.add(node.module.split(".")[0])
+    return found
+
+
+def optional_imports(code: str) -> set[str]:
+    """The imports inside a `try` whose handler catches ImportError: the code runs without them."""
+    found = set()
+    for node in ast.walk(ast.parse(code)):
+        if isinstance(node, ast.Try) and any(
+            isinstance(h.type, ast.Name) and h.type.id in ("ImportError", "ModuleNotFoundError")
+            for h in node.handlers
+        ):
+            found |= top_level_imports(ast.unparse(ast.Module(body=node.body, type_ignores=[])))
     return found
 
 
@@ -67,9 +80,12 @@ PINNED = [
 
 
 def test_the_package_declares_what_it_imports():
-    code = "\n".join(p.read_text() for p in (ROOT / "src").rglob("*.py"))
-    missing = third_party(top_level_imports(code)) - names(PROJECT["dependencies"])
-    assert missing == set()
+    modules = [p.read_text() for p in (ROOT / "src").rglob("*.py")]
+    optional = set().union(*(optional_imports(code) for code in modules))
+    required = set().union(*(top_level_imports(code) for code in modules)) - optional
+    assert third_party(required) - names(PROJECT["dependencies"]) == set()
+    extras = set().union(*map(names, PROJECT["optional-dependencies"].values()))
+    assert third_party(optional) - names(PROJECT["dependencies"]) - extras == set()
 
 
 def test_the_learn_extra_covers_the_workbooks_and_the_book_pages():

@@ -99,8 +99,8 @@ def test_keep_refuses_what_is_not_a_part(tmp_path):
 
 def test_the_folder_comes_from_the_environment(tmp_path, monkeypatch):
     monkeypatch.setenv(parts.FOLDER_ENV, str(tmp_path / "mine"))
-    path = keep(define(course_cell(attention.causal_mask), "<env>")["causal_mask"])
-    assert path == tmp_path / "mine" / "chapter_3.py"
+    assert keep(define(course_cell(attention.causal_mask), "<env>")["causal_mask"]) is None
+    assert (tmp_path / "mine" / "chapter_3.py").exists()
 
 
 def test_whose_parts_names_each_part_of_the_chapters_so_far(tmp_path, capsys):
@@ -118,13 +118,16 @@ def test_whose_parts_names_each_part_of_the_chapters_so_far(tmp_path, capsys):
 
 
 def test_the_course_modules_never_give_one_name_two_meanings():
-    """`load_parts` pours every course module into one namespace: a name two modules define
-    differently (say two `Unembed`s) would silently replace a part with another."""
+    """`load_parts` pours the course modules into one namespace (every public name, and the
+    private helpers of the modules that hold exercises): a name two modules define differently
+    (say two `Unembed`s) would silently replace a part with another."""
+    homes = {part.course.__module__ for part in parts.parts_of()}
     seen: dict = {}
     clashes = []
     for module in parts._course_modules():
+        hidden = "__" if module.__name__ in homes else "_"
         for name, value in vars(module).items():
-            if name.startswith("__") or isinstance(value, typing.TypeVar):
+            if name.startswith(hidden) or isinstance(value, typing.TypeVar):
                 continue
             if name in seen and seen[name][1] is not value:
                 clashes.append(f"{name}: {seen[name][0]} and {module.__name__}")

@@ -115,6 +115,18 @@ COMMANDS: dict[str, Run | Elsewhere] = {
         r"^  fast / sdpa += \d+\.\d+",
         r"^  peak memory sdpa +\d+ MiB$",
     ),
+    "python benchmarks/flash_attention.py": run(
+        "python benchmarks/flash_attention.py --device cuda --batch 1 --heads 2 --context 512 "
+        "--repeats 1",
+        r"^triton +\d+\.\d+ +\d+\.\d+ +\d+$",
+        r"^triton / sdpa_flash: forward \d+\.\d+, forward\+backward \d+\.\d+$",
+        cuda="Triton compiles its kernels for a GPU (the CPU tests run them in its interpreter)",
+    ),
+    "python benchmarks/flash_attention.py --device cpu": run(
+        "python benchmarks/flash_attention.py --device cpu --heads 2 --context 256 --repeats 1",
+        r"^saved for the backward: plain / flash = \d+\.\dx$",
+        r"^time: flash / plain = \d+\.\d+x$",
+    ),
     "python -m transformer_course.translation --profile quick": run(
         "python -m transformer_course.translation --profile quick --max-steps 1 --max-words 3 "
         "--test-sentences 2",

@@ -121,19 +121,26 @@ keep(merge_pair)
 # ## Exercise 1.4: `train_merges`
 #
 # The input is every distinct chunk of training text (as bytes) with how often it occurs; the
-# output is `{pair: new_id}` in the order the merges were learned. The simplest correct loop:
-# count pairs over all chunks (weighted), take the most frequent pair, give it the next id,
-# merge it in every chunk, repeat. The reference keeps the counts up to date instead of
-# recounting (only chunks that contain the merged pair change), which is what makes training
-# on a whole book fast; the simple loop passes the check too. Ties may go either way.
+# output is `{pair: new_id}` in the order the merges were learned, new ids counting up from 256.
+# Each merge takes the pair that is most frequent at that moment, counting a chunk that occurs
+# 3 times 3 times. When several pairs tie for most frequent, any of them is right: the check
+# accepts each. A pair that occurs once still counts, but a pair that occurs no more does not:
+# when no chunk has a pair left, stop, so a short text gives fewer merges than `num_merges`.
+#
+# Recounting every pair after each merge is correct and passes the check; the reference keeps
+# the counts up to date instead (only chunks that contain the merged pair change), which is
+# what makes training on a whole book fast.
 
 # %% [exercise] transformer_course.tokenization:train_merges difficulty=3 importance=5 minutes=25
-# hint: Keep every chunk as a list of ids. One merge step is: count pairs over all chunks, pick the
-#   most frequent, give it the next free id, merge it everywhere.
+# docstring: Learn up to `num_merges` merges from chunks of bytes and how often each chunk
+#   occurs: each merges a most frequent pair (any, on a tie) into the next new id, from 256,
+#   until no chunk has a pair left. Returns `{pair: new_id}` in the order learned.
+# hint: Keep every chunk as a list of ids. One merge step: count the pairs over all chunks, pick
+#   a most frequent one, give it the next free id, merge it everywhere.
 # hint: Reuse your `get_pair_counts` with `weight=` the chunk's count, so a chunk seen 3 times
-#   counts 3 times. The first new id is 256, then 257, ...
-# hint: Stop early when no chunk has a pair left. `max(counts, key=counts.get)` picks the most
-#   frequent pair; record it in an insertion-ordered dict.
+#   counts 3 times. An empty count means no pair is left.
+# hint: `max(counts, key=counts.get)` picks a most frequent pair (on a tie, the first counted:
+#   that is fine); record it in an insertion-ordered dict and break when `counts` is empty.
 
 # %% [check]
 check_train_merges(train_merges)

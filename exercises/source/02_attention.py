@@ -59,14 +59,15 @@ print(describe_run())
 # $$\text{scores}_{ij} = \frac{q_i \cdot k_j}{\sqrt{d_\text{head}}}$$
 #
 # `q` is `(..., q_pos, d_head)` and `k` is `(..., k_pos, d_head)`; the result is
-# `(..., q_pos, k_pos)`, one row per query. Use `einops.einsum` with named axes, e.g.
-# `"... q_pos d_head, ... k_pos d_head -> ... q_pos k_pos"`.
+# `(..., q_pos, k_pos)`, one row per query, whatever the leading (batch, head) dims. float16
+# and bfloat16 inputs give **float32** scores: a float16 dot product overflows past 65504.
+# `upcast(t)` (given) returns a half-precision tensor as float32 and any other unchanged.
 
 # %% [exercise] transformer_course.attention:attention_scores difficulty=1 importance=5 minutes=5
 # hint: Score (i, j) is the dot product of query i with key j: a contraction over `d_head`, scaled
-#   by one over the square root of `d_head`.
-# hint: Name the axes in an `einops.einsum` pattern: queries keep `q_pos`, keys keep `k_pos`, both
-#   share `d_head`, and the leading `...` axes pass through.
+#   by one over the square root of `d_head`. The precision is decided before the product.
+# hint: Upcast both inputs first. In an `einops.einsum` pattern, queries keep `q_pos`, keys keep
+#   `k_pos`, both share `d_head`, and the leading `...` axes pass through.
 
 # %% [check]
 check_attention_scores(attention_scores)
@@ -77,16 +78,21 @@ keep(attention_scores)
 #
 # $$\text{Attention}(Q, K, V) = \text{softmax}\left(\frac{QK^\top}{\sqrt{d_\text{head}}}\right)V$$
 #
-# Start with `validate.attention_inputs(q, k, v, mask)`, which raises a clear error for inputs
-# of the wrong shape. Then compute the scores with your `attention_scores`, turn them into a
-# pattern with `masked_softmax(scores, mask)` (a softmax over the **last** dim that ignores
-# forbidden keys and gives zeros, never NaN, for a query with no allowed key), and take the
-# weighted sum of the values. Return both the output and the pattern, in the dtype of `q`.
+# Return `(out, pattern)`: the pattern `(..., q_pos, k_pos)` holds each query's weights over
+# the keys the mask allows (they sum to one; a query with no allowed key gets zeros, never
+# NaN), and `out` `(..., q_pos, d_v)` the values averaged with those weights, both in the dtype
+# of `q`. Inputs that do not fit together (a `k` whose `d_head` differs from `q`'s, a `v` with
+# another number of positions than `k`, a mask that does not broadcast to the scores) are
+# refused with a `ValueError` that names them: `validate.attention_inputs(q, k, v, mask)`
+# (given) raises it. `masked_softmax(scores, mask)` (given, chapter 3's subject) is a softmax
+# over the last dim that ignores the forbidden keys and keeps the scores' dtype.
 
 # %% [exercise] transformer_course.attention:scaled_dot_product_attention difficulty=2 importance=5 minutes=10
-# hint: Three steps: scores, a softmax over the keys (the last dim), a weighted sum of the values.
-# hint: Use your `attention_scores`, then `masked_softmax(scores, mask)` for the pattern; the output
-#   contracts the pattern's `k_pos` with the values' `k_pos`.
+# hint: After the input check, three steps: scores, a softmax over the keys (the last dim), a
+#   weighted sum of the values.
+# hint: Your `attention_scores`, then `masked_softmax` for the pattern; the output contracts the
+#   pattern's `k_pos` with the values' `k_pos`. Scores of half-precision inputs are float32:
+#   bring the values to the pattern's dtype, and the results back to `q`'s.
 
 # %% [check]
 check_scaled_dot_product_attention(scaled_dot_product_attention)
@@ -130,6 +136,8 @@ print(
 #   replaces `_attend` with PyTorch's fused kernel when `self.fast_path` is set.
 # * `causal=True` hides the keys after each query, on top of `mask` (chapter 6's GPT-2 calls
 #   its attention this way).
+# * a module cast to float16 or bfloat16 (`.half()`) runs on inputs of its dtype and returns
+#   that dtype, its scores computed in float32.
 # * `cache` is for chapter 6's KV cache: when one is given, its `extend` method takes this
 #   call's keys and values (heads before positions) and returns all the keys and values so
 #   far, which the queries then attend to.
@@ -142,9 +150,10 @@ print(
 #   with `bias=False` has no biases to reset).
 # hint: `forward`: each projection is one einsum over `d_model` that keeps `head` and `d_head`,
 #   plus the bias; the head axis then moves before the positions so heads act as a batch.
-# hint: Scores: `fill_masked` on exercise 2.1's scores; pattern: `masked_softmax` (chapter 3)
-#   or a softmax whose forbidden weights are set to zero; for `causal`, AND `causal_mask(q_pos,
-#   k_pos)` into the mask.
+# hint: The given `self._mask(mask, causal, q_pos, k_pos, device)` returns the mask to use, its
+#   causal part included. Scores: `fill_masked` on exercise 2.1's scores; pattern: a softmax
+#   whose forbidden weights are then set to zero, in `v`'s dtype (scores of half-precision
+#   inputs are float32).
 # hint: `"batch pos d_model, head d_model d_head -> batch pos head d_head"` projects; after
 #   attention, `"batch q_pos head d_head, head d_head d_model -> batch q_pos d_model"` with
 #   `W_O` projects back and sums the heads.

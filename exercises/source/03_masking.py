@@ -41,17 +41,22 @@ print(describe_run())
 # %% [markdown]
 # ## Exercise 3.1: `causal_mask`
 #
-# Query $i$ may attend to key $j$ exactly when $j \le i + (k_\text{len} - q_\text{len})$. With
-# `k_len == q_len` that is the lower triangle, diagonal included (a token sees itself). With
-# `k_len > q_len` the queries are the **last** `q_len` positions of the sequence: the keys of
-# the earlier positions come from a cache, and the last query sees every key.
-# `validate.positive_int` (given) rejects lengths that are not positive ints.
+# A token may attend to itself and to every token before it, never to a later one. With as
+# many keys as queries (`k_len` left at `None`), query 0 sees key 0, query 1 keys 0 and 1, and
+# so on. With `k_len > q_len` the queries are the **last** `q_len` positions of the sequence
+# (the keys of the earlier positions come from a cache): the last query sees every key, the
+# one before it every key but the last. Build the mask on `device`.
+#
+# A length that makes no sense is refused with a `ValueError`, not turned into an empty or a
+# blind mask: `q_len` must be a positive int and `k_len` at least `q_len`. The given helpers
+# take the argument's name first, then its value: `validate.positive_int(name, value)` and
+# `validate.at_least(name, value, bound_name, bound)` each raise that error.
 
 # %% [exercise] transformer_course.attention:causal_mask difficulty=2 importance=5 minutes=10
-# hint: With as many keys as queries the mask is the lower triangle, diagonal included. With more
-#   keys than queries, slide the triangle so the last query sees every key.
-# hint: `torch.tril` and `Tensor.tril` take a `diagonal=` offset; the offset you need is `k_len -
-#   q_len`. Build it on `device`.
+# hint: Draw the mask for `causal_mask(3)` and `causal_mask(2, 4)` on paper: where do the True
+#   entries end in each row? With more keys than queries, the triangle slides.
+# hint: Query `i` may attend to key `j` exactly when `j <= i + (k_len - q_len)`. `torch.tril`
+#   and `Tensor.tril` take a `diagonal=` offset.
 
 # %% [check]
 check_causal_mask(causal_mask)
@@ -85,7 +90,8 @@ keep(padding_mask)
 #   `(batch, 1, 1, k_pos)` gives `(batch, 1, q_pos, k_pos)`, one mask per sequence;
 # * `None` means "no restriction": skip it, and return `None` when no mask is left;
 # * anything but a bool mask is refused with a `ValueError`: a 0/1 float or int mask could mean
-#   either convention. `validate.bool_mask(mask, name)` (given) raises one;
+#   either convention. `validate.bool_mask(name, mask)` (given) raises one, `name` saying
+#   which of the masks it was (`f"masks[{index}]"`);
 # * the masks you are given stay as they were.
 
 # %% [exercise] transformer_course.masking:combine_masks difficulty=2 importance=4 minutes=10
@@ -121,7 +127,8 @@ print(combine_masks(causal_mask(5), padding_mask(tokens, pad_id=0)).int())
 # 3. set the weights of forbidden keys to exactly zero, so a query with no allowed key gets an
 #    all-zero row instead of a uniform one.
 #
-# With `mask=None` it is a plain softmax.
+# With `mask=None` it is a plain softmax. float16 and bfloat16 scores are computed in float32
+# (`upcast`, given) and the pattern comes back in the scores' dtype.
 
 # %% [exercise] transformer_course.attention:masked_softmax difficulty=3 importance=5 minutes=15
 # hint: Filling with -inf breaks only when a whole row is forbidden: think about what the softmax of

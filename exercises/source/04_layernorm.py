@@ -47,9 +47,12 @@ print(describe_run())
 # y = \frac{x - \mu}{\sqrt{\sigma^2 + \epsilon}} \odot w + b$$
 #
 # Note the $\frac{1}{d}$ in the variance (not $\frac{1}{d-1}$) and where $\epsilon$ sits. Keep the
-# two hook points: pass the standard deviation through `self.hook_scale` and the normalised
-# vector (before `w` and `b`) through `self.hook_normalized`. Start with
-# `validate.last_dim(x, self.d_model)`, which raises a clear error for an input of the wrong size.
+# two hook points: pass the standard deviation that divides, $\sqrt{\sigma^2 + \epsilon}$ (eps
+# included), through `self.hook_scale` and the normalised vector (before `w` and `b`) through
+# `self.hook_normalized`, and go on with what each hook returns: a hook may replace the tensor
+# it is given (as in TransformerLens), and the check patches them. An input whose last dim is
+# not `d_model` is refused with a `ValueError`, also one of size 1 that would broadcast against
+# `w` into a wrong result: `validate.last_dim(name, x, d_model)` (given) raises it.
 #
 # float16 and bfloat16 inputs: compute in float32, `upcast(x)` (given), and return the result in
 # the input's dtype. In float16, squaring overflows as soon as $|x| > 256$.
@@ -84,8 +87,9 @@ print("same as nn.LayerNorm:", torch.allclose(y, nn.LayerNorm(8)(x), atol=1e-5))
 #
 # $$y = \frac{x}{\sqrt{\frac{1}{d}\sum_i x_i^2 + \epsilon}} \odot w$$
 #
-# The same conventions as `LayerNorm`: `hook_scale` gets the root mean square, `hook_normalized`
-# the vector before `w`, and half precision is computed in float32.
+# The same conventions as `LayerNorm`: `hook_scale` gets the root mean square (eps included),
+# `hook_normalized` the vector before `w`, each hook's result is used, an input of the wrong
+# size is refused, and half precision is computed in float32.
 
 # %% [exercise] transformer_course.layernorm:RMSNorm blank=forward difficulty=1 importance=4 minutes=10
 # hint: Like your `LayerNorm` without the centring and without `b`.

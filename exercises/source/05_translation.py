@@ -124,10 +124,10 @@ keep(MLP)
 # Where the norm goes is the difference between the paper's **post-LN** and the **pre-LN** that
 # GPT-2 and most modern models use (chapter 4):
 #
-# * `norm="post"` normalises the sum, after the residual add:
-#   `ln(resid + dropout(sublayer(resid)))`;
-# * `norm="pre"` normalises only the sublayer's input and leaves the stream itself untouched:
-#   `resid + dropout(sublayer(ln(resid)))`.
+# * `norm="post"` (the paper): the sublayer reads the stream as it is, and the layer norm
+#   normalises the stream *after* the sublayer's contribution has been added to it;
+# * `norm="pre"` (GPT-2): the layer norm normalises only what the sublayer reads; its
+#   contribution is added to the stream itself, which is never normalised here.
 #
 # `sublayer` is any function of the stream (an attention, the MLP); `ln` a layer norm;
 # `dropout` a dropout module. Pass what the sublayer adds to the stream, after dropout, through
@@ -197,10 +197,14 @@ keep(TransformerBlock)
 #   `x @ W_U + b_U`, where `W_U` is `tgt_embed.W_E.T` when the embeddings are tied
 #   (`cfg.tie_embeddings`, as in the paper) and `self.W_U` otherwise.
 #
-# Check the token ids first (`validate.token_tensor`, given), so a bad id gives a clear error.
+# Both refuse ids outside the vocabulary with a clear error (an id of -1 would otherwise read
+# the last row of `W_E` without a word): `validate.token_tensor(name, tokens, d_vocab,
+# n_ctx=...)` (given) raises it, for `"src"` against `cfg.src_vocab` and `"tgt"` against
+# `cfg.tgt_vocab`, and also refuses more than `cfg.n_ctx` positions.
 
 # %% [exercise] transformer_course.encoder_decoder:EncoderDecoderTransformer blank=encode,decode difficulty=3 importance=5 minutes=25
-# hint: `encode` is a loop over `self.encoder`, each block called as `block(x, mask)`.
+# hint: `encode`: after the id check, the embedded source goes through the encoder blocks in
+#   turn, every one with the same source padding mask.
 # hint: `decode` builds `padding_mask(tgt, pad_id)` once and passes it to every decoder block,
 #   with `context=memory` and `context_mask=src_mask`.
 
@@ -215,7 +219,9 @@ keep(EncoderDecoderTransformer)
 # (Szegedy et al., 2016; the paper uses $\varepsilon = 0.1$). The loss becomes
 # $(1-\varepsilon)\cdot\text{NLL} + \varepsilon\cdot\text{mean}_v(-\log p_v)$: the model is pushed a
 # little towards spreading probability, which hurts perplexity but helps BLEU. Positions whose
-# target is `ignore_index` (padding) must not count, not even in the average's denominator.
+# target is `ignore_index` (padding) must not count, not even in the average's denominator; a
+# batch in which every target is `ignore_index` has nothing to average and its loss is 0 (not
+# 0 / 0 = NaN). `ignore_index=None` means every position counts.
 
 # %% [exercise] transformer_course.encoder_decoder:label_smoothed_cross_entropy difficulty=3 importance=4 minutes=20
 # hint: Work with `log_softmax` of the logits. The loss mixes the negative log-likelihood of the
@@ -238,7 +244,8 @@ keep(label_smoothed_cross_entropy)
 #
 # (The paper's $d_\text{model}^{-0.5}\min(n^{-0.5}, n\cdot\text{warmup}^{-1.5})$ is this
 # with $\text{lr}_\text{peak} = (d_\text{model}\cdot\text{warmup})^{-0.5}$.) Warmup keeps
-# the first updates small while Adam's statistics are still noisy.
+# the first updates small while Adam's statistics are still noisy. `warmup_steps=0` means no
+# warmup: it gives the rates of `warmup_steps=1`, starting at `lr`.
 
 # %% [exercise] transformer_course.training:inverse_sqrt_lr difficulty=1 importance=3 minutes=10
 # hint: The two branches meet at n = warmup_steps, where both equal 1: that is the peak.
@@ -256,6 +263,10 @@ keep(inverse_sqrt_lr)
 # row is finished or after `max_new_tokens` new tokens. Return the generated ids without `<s>` and
 # `</s>`. Decode in evaluation mode, without gradients, and give the model its own mode back
 # afterwards: the course's context manager `evaluating` does all three.
+#
+# `max_len` is the former name of `max_new_tokens`; with both `None` there is no length to stop
+# at, which is a `ValueError`. `_decode_args(model, src, bos_id, eos_id, max_new_tokens,
+# max_len)` (given) checks every argument and returns the number of new tokens.
 
 # %% [exercise] transformer_course.decoding:greedy_decode difficulty=3 importance=5 minutes=25
 # hint: Encode once; start every row with `bos_id`; each step decodes everything generated so far
@@ -274,12 +285,23 @@ keep(greedy_decode)
 #
 # Greedy decoding commits to the likeliest next token even when a less likely one leads to a
 # likelier translation. Beam search keeps the `beam_size` best partial translations instead,
-# scored by the sum of their tokens' log-probabilities. At each step, extend every live beam by
-# every token, keep the best `beam_size` extensions that do not end, and set aside those that end
-# with `</s>`, their score divided by `length ** length_penalty` so long translations are not
-# punished for having more factors below one. Stop when `beam_size` translations have ended or
-# after `max_new_tokens` steps, and return the best one (without `<s>` and `</s>`) for each source row.
-# A beam of one is greedy decoding.
+# each *live beam* scored by the sum of its tokens' log-probabilities. Decode each source row
+# on its own. At each step:
+#
+# 1. extend every live beam by every token and take the `2 * beam_size` best extensions;
+# 2. walk them best first until `beam_size` of them go on: each that does not end is a live
+#    beam of the next step; each that ends with `</s>` *before that point* is set aside as a
+#    finished translation (an `</s>` further down the list is not among the best, and is
+#    dropped);
+# 3. stop when `beam_size` translations have finished, or after `max_new_tokens` steps.
+#
+# A finished translation's score is its total log-probability divided by
+# `length ** length_penalty`, its *length* counting its tokens and its `</s>`, not `<s>`
+# (`[5, 6, </s>]` has length 3): long translations are not punished for having more factors
+# below one. Return the best finished translation of each row, without `<s>` and `</s>`; if
+# none finished within `max_new_tokens` steps, the live beams compete instead, each scored the
+# same way over its own length. A beam of one is greedy decoding. The arguments are checked as
+# in greedy decoding (`_decode_args`, with `beam_size`).
 
 # %% [exercise] transformer_course.decoding:beam_search difficulty=4 importance=3 minutes=40
 # hint: Decode one source row at a time: encode it once, and keep a (beams, length) tensor of
@@ -288,7 +310,8 @@ keep(greedy_decode)
 #   beam's score, flatten, take the top 2 * beam_size; `divmod(index, vocab)` gives the beam and
 #   the token.
 # hint: Walk the candidates best first: an end token moves its beam to the finished list (with
-#   the length-normalised score), anything else joins the next live set, until beam_size live.
+#   the length-normalised score, `step + 1` tokens long), anything else joins the next live set,
+#   and the walk stops at beam_size live. After the loop, no finished one means the live compete.
 
 # %% [check]
 check_beam_search(beam_search)

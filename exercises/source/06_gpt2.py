@@ -119,7 +119,7 @@ keep(Unembed)
 # `run_with_cache` sees them, and apply `self.dropout` to their sum.
 
 # %% [exercise] transformer_course.gpt2:GPT2 blank=forward difficulty=2 importance=5 minutes=15
-# hint: Validate the tokens, embed them (token plus position, each through its hook), then dropout.
+# hint: Embed the tokens (token plus position, each through its hook), then dropout.
 # hint: Run the residual stream through every block in order, then `ln_final`, then `unembed`.
 
 # %% [check]
@@ -322,9 +322,12 @@ keep(train_step)
 # measure `evaluate(model)` (a validation loss), in eval mode without gradients, and record
 # `{"step": steps done, "val_loss":
 # ...}` in `history.evals`. Keep the best model: wherever the validation loss is the lowest so
-# far, record it in `history.best` and keep a **copy** of the weights in
+# far, record that same `{"step": ..., "val_loss": ...}` in `history.best` (on a tie, the
+# earlier or the later evaluation: either is right) and keep a **copy** of the weights in
 # `history.best_state` (the model's tensors go on changing; a reference to them would not keep
-# anything).
+# anything). After the loop the model is in train mode, as training left it: evaluating
+# restores the mode it found. (`History` also has a `grad_norm` list, which chapter 5's
+# `training.train` fills; your loop leaves it empty, as `train_step` returns only the loss.)
 
 # %% [exercise] transformer_course.gpt2:train_loop difficulty=3 importance=5 minutes=25
 # docstring: Train `model` for `max_steps` steps with `optimizer`, at learning rate
@@ -417,7 +420,10 @@ assert sum(line[0].isupper() for line in lines) > len(lines) / 2, "most start wi
 # never change (a position attends only to itself and to positions before it). Keep them:
 # `forward_with_cache` runs only the new tokens through the model. Your attention already
 # knows how to use a cache (its `cache` argument, chapter 2), and your block passes it on:
-# give each block its own `LayerCache`, holding the keys and values the earlier calls left.
+# give each block its own `LayerCache` (chapter 2's, given): `LayerCache(k, v)` holds one
+# block's keys and values, `(batch, n_heads, pos, d_head)` tensors in its attributes `k` and
+# `v` (`None` for an empty cache), and `cache.extend(k, v)`, which the attention calls, appends
+# the new positions' keys and values to them and returns all of them.
 # Two things differ from `GPT2.forward`: the new tokens' positions come after the cached ones,
 # and the function returns every block's keys and values for the next call, as a list of
 # `(keys, values)` pairs (`None` for the first call). The check feeds a prompt, then single

@@ -122,15 +122,17 @@ assert torch.allclose(*scores, atol=1e-4), "shifted by 100, the same scores to f
 # `__init__` is given). Write `forward(x, positions=None, *, offset=0)`: with `positions`,
 # rotate each vector by the angles of its position; without, the positions are `offset,
 # offset + 1, ...`. A KV cache needs the offset: when `k` tokens are cached, the next token
-# sits at position `k`, not 0.
+# sits at position `k`, not 0. The tables end at position `n_ctx - 1`: positions past it are
+# refused with a `ValueError` that says so (a slice past the end would silently come back
+# short).
 
 # %% [exercise] transformer_course.rope:RotaryEmbedding blank=forward difficulty=2 importance=4 minutes=10
 # docstring forward: `x` `(..., pos, d_head)` rotated by the angles of `positions`, or of
 #   `offset, offset + 1, ..., offset + pos - 1` when `positions` is None.
 # hint: The tables are indexed by position: `self.cos[positions]` is the cosines of those
 #   positions, and a slice `self.cos[offset:offset + pos]` those of consecutive ones.
-# hint: Then it is your `rotate_pairs`. Refuse `offset + pos > n_ctx` with a clear error rather
-#   than a shape mismatch.
+# hint: Then it is your `rotate_pairs`; compare `offset + pos` with `self.n_ctx` before
+#   slicing.
 
 # %% [check]
 check_rotary_embedding(RotaryEmbedding)
@@ -186,8 +188,10 @@ keep(SwiGLU)
 # pass `q`, `k`, `v` through `hook_q`, `hook_k`, `hook_v`, rotate queries and keys with
 # `self._rotate` (given) and pass them through `hook_rot_q` and `hook_rot_k`. Query head `h`
 # reads KV head `h // (n_heads // n_kv_heads)`, as Hugging Face arranges them. With a cache
-# (your chapter 2 `LayerCache`), the new positions come after the cached ones, and the cache
-# keeps the *rotated* keys. `self._attend` (given, with your chapter 2 and 3 parts inside) and
+# (chapter 2's `LayerCache`: its attributes `k` and `v` hold the cached keys and values,
+# `(batch, n_kv_heads, pos, d_head)`, or `None` while empty; `cache.extend(k, v)` appends the
+# new positions' and returns all of them), the new positions come after the cached ones, and
+# the cache keeps the *rotated* keys, before the KV heads are shared. `self._attend` (given, with your chapter 2 and 3 parts inside) and
 # `self._attend_fused` take `(batch, head, pos, d_head)` tensors; use the fused one when
 # `self.fast_path` is set.
 
@@ -211,8 +215,9 @@ keep(GroupedQueryAttention)
 # ## The block and the model
 #
 # Llama's block is GPT-2's pre-norm block with RMSNorm instead of layer norm, your grouped-
-# query attention and SwiGLU, and no biases or dropout anywhere:
-# `x + attn(ln1(x))`, then `+ mlp(ln2(.))`. Pass the residual stream through the hook points
+# query attention and SwiGLU, and no biases or dropout anywhere: the attention, then the MLP,
+# each reading its own normalised copy of the stream (`ln1`, `ln2`) and adding its output to
+# the stream itself. Pass the residual stream through the hook points
 # as GPT-2's blocks do (`hook_resid_pre`, `hook_attn_out`, `hook_resid_mid`, `hook_mlp_out`,
 # `hook_resid_post`), and hand `cache` to the attention.
 
@@ -232,8 +237,8 @@ keep(LlamaBlock)
 # compares the logits.
 
 # %% [exercise] transformer_course.llama:Llama blank=forward difficulty=2 importance=5 minutes=10
-# hint: Validate the tokens, embed them (through `hook_embed`), run every block, then
-#   `ln_final` and `unembed`. RoPE lives inside the attention: nothing to add here.
+# hint: Embed the tokens (through `hook_embed`), run every block, then `ln_final` and
+#   `unembed`. RoPE lives inside the attention: nothing to add here.
 
 # %% [check]
 check_llama(Llama)

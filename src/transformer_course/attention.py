@@ -103,7 +103,7 @@ def masked_softmax(
     """
     if mask is None:
         return upcast(scores).softmax(dim=-1).to(scores.dtype)
-    validate.bool_mask(mask)
+    validate.bool_mask("mask", mask)
     pattern = fill_masked(upcast(scores), mask).softmax(dim=-1)
     return pattern.masked_fill(~mask, 0.0).to(scores.dtype)
 
@@ -163,10 +163,12 @@ def scaled_dot_product_attention(
 
 
 class LayerCache:
-    """One attention layer's cached keys and values, each `(batch, n_heads, pos, d_head)`:
-    `MultiHeadAttention.forward(..., cache=...)` extends them with each call's new positions.
+    """One attention layer's cached keys and values, each `(batch, n_heads, pos, d_head)`, in
+    the attributes `k` and `v` (`None` while empty): the attention's `forward(..., cache=...)`
+    calls `extend`, which appends each call's new positions and returns all of them. Made for
+    chapter 2's attention, used by chapter 6's and chapter 7's KV caches.
 
-    Course: chapter 6.
+    Course: chapter 2.
     """
 
     def __init__(self, k: Tensor | None = None, v: Tensor | None = None) -> None:

@@ -59,7 +59,7 @@ class MLP(nn.Module):
         self.hook_post = HookPoint()  # [*batch, d_mlp]: after it (the "neurons")
 
     def forward(self, x: Float[Tensor, "*batch d_model"]) -> Float[Tensor, "*batch d_model"]:
-        validate.last_dim(x, self.d_model)
+        validate.last_dim("x", x, self.d_model)
         pre = self.hook_pre(
             einops.einsum(x, self.W_in, "... d_model, d_model d_mlp -> ... d_mlp") + self.b_in
         )
@@ -155,7 +155,7 @@ class TransformerBlock(HookedRootModule):
             raise ValueError(
                 f"resid: expected shape (batch, pos, d_model={self.d_model}), got {got}"
             )
-        validate.last_dim(resid, self.d_model, name="resid")
+        validate.last_dim("resid", resid, self.d_model)
         if resid.shape[1] == 0:
             raise ValueError(
                 f"resid: expected at least one position, got shape {tuple(resid.shape)}"

@@ -42,7 +42,7 @@ class LayerNorm(nn.Module):
 
     def forward(self, x: Float[Tensor, "*batch d_model"]) -> Float[Tensor, "*batch d_model"]:
         """Normalise each vector of `x` over its last dim, then apply the learned `w` and `b`."""
-        validate.last_dim(x, self.d_model)
+        validate.last_dim("x", x, self.d_model)
         dtype, x = x.dtype, upcast(x)
         x = x - x.mean(dim=-1, keepdim=True)
         variance = x.pow(2).mean(dim=-1, keepdim=True)  # biased: divide by d_model, not d_model - 1
@@ -75,7 +75,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: Float[Tensor, "*batch d_model"]) -> Float[Tensor, "*batch d_model"]:
         """Divide each vector of `x` by its root mean square over its last dim, then scale by w."""
-        validate.last_dim(x, self.d_model)
+        validate.last_dim("x", x, self.d_model)
         dtype, x = x.dtype, upcast(x)
         mean_square = x.pow(2).mean(dim=-1, keepdim=True)
         scale: Float[Tensor, "*batch 1"] = self.hook_scale((mean_square + self.eps).sqrt())

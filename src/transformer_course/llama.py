@@ -178,7 +178,7 @@ class SwiGLU(nn.Module):
         self.hook_post = HookPoint()  # [*batch, d_mlp]: silu(x W_gate) * x W_in
 
     def forward(self, x: Float[Tensor, "*batch d_model"]) -> Float[Tensor, "*batch d_model"]:
-        validate.last_dim(x, self.d_model, dtype=self.W_in.dtype)
+        validate.last_dim("x", x, self.d_model, dtype=self.W_in.dtype)
         pre = self.hook_pre(
             einops.einsum(x, self.W_gate, "... d_model, d_model d_mlp -> ... d_mlp")
         )

@@ -63,7 +63,7 @@ def combine_masks(*masks: Bool[Tensor, "..."] | None) -> Bool[Tensor, "..."] | N
     for index, mask in enumerate(masks):
         if mask is None:
             continue
-        validate.bool_mask(mask, f"masks[{index}]")
+        validate.bool_mask(f"masks[{index}]", mask)
         if combined is None:
             combined = mask
             continue

@@ -115,9 +115,10 @@ def _sections(text: str) -> dict[str, tuple[str, str]]:
     return found
 
 
-def keep(part: Any, *, folder: str | Path | None = None) -> Path:
+def keep(part: Any, *, folder: str | Path | None = None) -> None:
     """Save the cell that defines `part` (a part whose check just passed) to your file for its
-    chapter, replacing an earlier version of it; returns the file.
+    chapter, replacing an earlier version of it, and say where. Returns nothing, so a check
+    cell that ends with it shows only that line.
 
     Course: chapter 1.
     """
@@ -138,7 +139,6 @@ def keep(part: Any, *, folder: str | Path | None = None) -> Path:
     )
     atomic_write(path, header + body)
     print(f"kept {name} in {path}")
-    return path
 
 
 def _passes(part: Part, candidate: Any) -> str | None:

@@ -97,7 +97,7 @@ def apply_rope(
 class RotaryEmbedding(nn.Module):
     """RoPE with its cosines and sines computed once, for positions 0 to `n_ctx - 1`.
 
-    `forward(x, positions)` rotates `x` `(..., pos, d_head)` as `apply_rope` does; without
+    `forward(x, positions)` rotates `x` `(..., pos, d_head)` with `rotate_pairs`; without
     `positions` they are `offset, offset + 1, ...` (default offset 0). A KV cache passes
     `offset=` the number of cached positions: the new tokens come after them. The tables are
     buffers, not parameters (nothing to learn, nothing saved in the state dict), and stay

@@ -20,8 +20,20 @@ from torch import Tensor
 T = TypeVar("T")
 
 
+def named(name: Any, helper: str) -> str:
+    """The argument's name, which every helper here takes first: `positive_int(3, "q_len")`,
+    the arguments swapped, is refused here rather than read as an argument named 3."""
+    if not isinstance(name, str):
+        raise TypeError(
+            f"validate.{helper}: expected the argument's name (a str) first, then its value, as "
+            f'in validate.{helper}("q_len", q_len); got {name!r} where the name goes'
+        )
+    return name
+
+
 def integer(name: str, value: Any, *, low: int | None = None, high: int | None = None) -> int:
     """An int (not a bool) in [low, high]; NumPy integers are accepted and returned as int."""
+    named(name, "positive_int" if low == 1 and high is None else "integer")
     in_range = isinstance(value, Integral) and (low is None or value >= low)
     in_range = in_range and (high is None or value <= high)
     if isinstance(value, bool) or not in_range:
@@ -180,6 +192,7 @@ def token_tensor(
     """A `(batch, pos)` tensor of ids in [0, d_vocab) with at least one position and, given
     `n_ctx`, at most `n_ctx` together with `cached` earlier ones (a KV cache's). Reading the ids'
     range costs one host-device synchronisation, which compiled code skips."""
+    named(name, "token_tensor")
     if not isinstance(t, Tensor):
         raise TypeError(f"{name}: expected a torch.Tensor of token ids, got {type(t).__name__}")
     if t.dtype not in TOKEN_DTYPES:
@@ -237,17 +250,19 @@ def token_id(name: str, value: Any, d_vocab: int) -> int:
     return int(value)
 
 
-def bool_mask(mask: Any, name: str = "mask") -> Tensor:
+def bool_mask(name: str, mask: Any) -> Tensor:
     """A bool tensor, True = may attend (the convention of PyTorch's SDPA)."""
+    named(name, "bool_mask")
     if not isinstance(mask, Tensor) or mask.dtype != torch.bool:
         got = mask.dtype if isinstance(mask, Tensor) else type(mask).__name__
         raise ValueError(f"{name}: expected a bool tensor (True = may attend), got {got}")
     return mask
 
 
-def last_dim(x: Any, d_model: int, name: str = "x", dtype: torch.dtype | None = None) -> Tensor:
+def last_dim(name: str, x: Any, d_model: int, dtype: torch.dtype | None = None) -> Tensor:
     """A floating-point tensor whose last dimension is `d_model` and, given `dtype`, of that
     dtype (`weights_dtype`)."""
+    named(name, "last_dim")
     if not isinstance(x, Tensor):
         raise TypeError(f"{name}: expected a torch.Tensor, got {type(x).__name__}")
     if x.ndim == 0 or x.shape[-1] != d_model:
@@ -419,7 +434,7 @@ def attention_inputs(q: Any, k: Any, v: Any, mask: Any = None) -> None:
         ) from None
     if mask is None:
         return
-    bool_mask(mask)
+    bool_mask("mask", mask)
     scores_shape = (*batch, q.shape[-2], k.shape[-2])
     try:
         fits = torch.broadcast_shapes(mask.shape, scores_shape) == torch.Size(scores_shape)

@@ -13,12 +13,14 @@ from transformer_course import attention
 from transformer_course.checks.harness import (
     OVERFLOW_HINT,
     call,
+    describe,
     expect,
     expect_cached,
     expect_close,
     expect_hooks_used,
     expect_mask_not_inverted,
     expect_no_known_mistake,
+    expect_raises,
     matches,
     passed,
     perturb,
@@ -33,14 +35,15 @@ NAN_HINT = "a query with no allowed key must give zeros, not NaN: fill forbidden
 NAN_HINT += "`torch.finfo(dtype).min` (not -inf) and zero those rows after the softmax."
 NO_MASK_HINT = "`mask` defaults to None, which means every query sees every key: skip the masking."
 HOOK_HINTS = {
-    "hook_q": "q = einsum(x, W_Q, 'batch pos d_model, head d_model d_head -> ...') + b_Q.",
+    "hook_q": "queries come from x, projected with W_Q and b_Q, (batch, q_pos, head, d_head).",
     "hook_k": "keys come from the context (x for self-attention), projected with W_K and b_K.",
     "hook_v": "values come from the context (x for self-attention), projected with W_V and b_V.",
     "hook_attn_scores": "scores are q k^T / sqrt(d_head), shape (batch, head, q_pos, k_pos).",
     "hook_pattern": "the pattern is the masked softmax of the scores over keys.",
     "hook_z": "z = pattern @ v, rearranged to (batch, q_pos, head, d_head).",
 }
-CAUSAL_HINT = "`causal=True` adds `causal_mask(q_pos, k_pos)` to `mask`: AND the two."
+CAUSAL_HINT = "`causal=True` hides later keys on top of `mask`: attend with the mask that "
+CAUSAL_HINT += "self._mask(mask, causal, q_pos, k_pos, device) returns, causal part included."
 CACHE_HINT = "with a cache, `k, v = cache.extend(k, v)` after moving the heads before the "
 CACHE_HINT += "positions; the queries are the last positions, so the causal mask is (q_pos, k_pos)."
 FAST_PATH_HINTS = {  # by the value of fast_path
@@ -56,13 +59,28 @@ def _qkv(q_len: int, k_len: int, d_head: int, d_v: int, seed: int = 0, scale: fl
     return q[..., :q_len, :d_head] * scale, k[..., :k_len, :d_head] * scale, v[..., :k_len, :d_v]
 
 
+HALF_SCORES = "float16 and bfloat16 inputs give float32 scores: upcast q and k (`upcast`, given) "
+HALF_SCORES += "before the dot product, which in float16 overflows past 65504."
+
+
 def check_attention_scores(fn: Callable) -> None:
-    """`attention_scores(q, k)`: q k^T / sqrt(d_head), shape (..., q_pos, k_pos)."""
+    """`attention_scores(q, k)`: q k^T / sqrt(d_head), shape (..., q_pos, k_pos); float32
+    scores for float16 and bfloat16 inputs, also where float16's dot product overflows."""
     name, (q, k, _) = "attention_scores", _qkv(4, 6, 16, 16)
     expected, actual = attention.attention_scores(q, k), call(name, fn, q, k)
     root = "divide by the square root of d_head, not d_head itself."
     hint, mistakes = "dot every query with every key, then scale.", {SCALE_HINT: expected * 4}
     expect_close(actual, expected, name, hint, atol=1e-8, mistakes={**mistakes, root: expected / 4})
+    for dtype in (torch.float16, torch.bfloat16):
+        q, k, _ = _qkv(4, 6, 16, 16, seed=8, scale=90.0)  # dot products up to about 1e5
+        q, k = q.to(dtype), k.to(dtype)
+        where = f"{name} ({str(dtype)[6:]} q and k whose dot products reach 1e5)"
+        actual = call(where, fn, q, k, hint=HALF_SCORES)
+        dtype_got = getattr(actual, "dtype", None)
+        problem = f"expected float32 scores, got {describe(actual)}."
+        expect(dtype_got == torch.float32, where, problem, HALF_SCORES)
+        expected = attention.attention_scores(q, k)
+        expect_close(actual, expected, where, HALF_SCORES, atol=1e-3, rtol=1e-4)
     passed(name)
 
 
@@ -117,7 +135,25 @@ def check_scaled_dot_product_attention(fn: Callable) -> None:
     expect(dtypes == [torch.float16] * 2, where, problem, hint)
     expected = attention.scaled_dot_product_attention(q, k, v, causal_mask(4, 5))[0]
     expect_close(result[0], expected, where, "the output is pattern @ v.", atol=1e-2, rtol=1e-2)
+    _expect_refused(name, fn)
     passed(name)
+
+
+def _expect_refused(name: str, fn: Callable) -> None:
+    """Inputs that do not fit together get a ValueError that names them, not a crash deep in
+    an einsum or, worse, a result of the wrong shape."""
+    (q, k, v), hint = _qkv(4, 5, 8, 8, seed=9), VALIDATE_HINT
+    for label, args in (
+        ("k with d_head 6, q with 8", (q, k[..., :6], v)),
+        ("v with 4 positions, k with 5", (q, k, v[..., :4, :])),
+        ("a mask of shape (2, 2, 3, 4, 5), more dims than the scores", (q, k, v, _BIG_MASK)),
+    ):
+        expect_raises(f"{name}({label})", hint, fn, *args, errors=(ValueError,))
+
+
+_BIG_MASK = torch.ones(2, 2, 3, 4, 5, dtype=torch.bool)
+VALIDATE_HINT = "inputs that do not fit together must be refused with a clear ValueError (which "
+VALIDATE_HINT += "one, and why): start with validate.attention_inputs(q, k, v, mask), given."
 
 
 class _Calls(TorchFunctionMode):
@@ -239,4 +275,32 @@ def check_multi_head_attention(cls: type) -> None:
     call(f"{where}.load_state_dict", module.load_state_dict, reference.state_dict(), strict=False)
     actual, hint = call(where, module, *args, **kwargs), "without biases, the einsums alone."
     expect_close(actual, reference(*args, **kwargs), where, hint, atol=1e-8)
+    _expect_half(name, cls)
     passed(name)
+
+
+HALF_HINT = "in half precision the scores are float32 (your attention_scores upcasts), the "
+HALF_HINT += "values are not: bring the pattern to v's dtype before the weighted sum, and keep "
+HALF_HINT += "every result in x's dtype."
+
+
+def _expect_half(name: str, cls: type) -> None:
+    """A module cast to float16 or bfloat16 runs on inputs of its dtype, both paths, and gives
+    the reference's output in that dtype (to its rounding)."""
+    reference = perturb(attention.MultiHeadAttention(16, 4), seed=3, scale=0.5)
+    x, padding = randn(2, 6, 16, seed=6, dtype=torch.float32), _forward_cases()[1][2]["mask"]
+    for dtype in (torch.float16, torch.bfloat16):
+        ours = attention.MultiHeadAttention(16, 4).to(dtype)
+        ours.load_state_dict(reference.state_dict())
+        module = call(f"{name}.__init__", cls, 16, 4).to(dtype)
+        call(f"{name}.load_state_dict", module.load_state_dict, reference.state_dict())
+        for fast in (False, True):
+            module.fast_path = ours.fast_path = fast
+            where = f"{name}.to({dtype}), fast_path={fast}, causal=True and a padding mask"
+            args, kwargs = (x.to(dtype),), dict(mask=padding[..., :6], causal=True)
+            with torch.no_grad():
+                actual = call(where, module, *args, hint=HALF_HINT, **kwargs)
+                expected = ours(*args, **kwargs)
+            problem = f"expected {describe(expected)}, got {describe(actual)}."
+            expect(getattr(actual, "dtype", None) == dtype, where, problem, HALF_HINT)
+            expect_close(actual, expected, where, HALF_HINT, atol=3e-2, rtol=3e-2)

@@ -123,11 +123,20 @@ def check_top_p_filter(fn: Callable[..., torch.Tensor]) -> None:
     for top_p in (0.3, 0.75, 0.95, 1.0, 1e-6):
         past, before = probs.cumsum(-1) > top_p, probs.cumsum(-1) - probs >= top_p
         past = past.scatter(-1, order, past)
+        first_kept = past.clone()
+        first_kept[torch.arange(4), order[:, 0]] = False
+        sorted_logits = logits.sort(-1, descending=True).values
+        crossing = "the token that carries the total past top_p is dropped: a token stays while "
+        crossing += "the mass *before* it has not reached top_p, so the nucleus reaches top_p."
         mistakes = {
-            "keep the token that carries the total past top_p: drop a token only when the mass "
-            "*before* it reaches top_p.": logits.masked_fill(past, -math.inf),
-            "the right number of tokens, the wrong ones: scatter the mask back from sorted order "
-            "to vocabulary order.": logits.masked_fill(before, -math.inf),
+            crossing: logits.masked_fill(past, -math.inf),
+            crossing + " ": logits.masked_fill(first_kept, -math.inf),
+            "the right number of tokens, the wrong ones: the keep/drop decision, made in sorted "
+            "order, never went back to vocabulary order.": logits.masked_fill(before, -math.inf),
+            "the logits come back in sorted order: return them in the vocabulary's order, each "
+            "at its own id.": sorted_logits.masked_fill(
+                probs.cumsum(-1) - probs >= top_p, -math.inf
+            ),
             "return the kept logits unchanged.": top_p_filter(logits, top_p).log_softmax(-1),
         }
         where = f"top_p_filter(logits of 4 different rows, top_p={top_p})"
@@ -179,6 +188,9 @@ def _expect_sampling(name: str, fn: Callable, model: GPT2, one: torch.Tensor, **
         return
     mistakes = {h: _sampling(logits, steps, **options) for h, steps in SAMPLING_MISTAKES.items()}
     argmax = "with temperature > 0, sample from the distribution instead of taking the argmax."
+    if options.get("top_k") is not None:  # rows alike: a batch-wide k-th largest is the max
+        argmax = f"only the likeliest token was drawn, though top_k={options['top_k']} keeps "
+        argmax += f"{options['top_k']}: {ROW_THRESHOLD}"
     mistakes[argmax] = F.one_hot(logits.argmax(), CFG.d_vocab).double()
     problem = f"the samples do not follow the distribution (off by {worst:.3f})"
     expect_no_known_mistake(where, freq, mistakes, atol=0.03, problem=problem)
@@ -190,12 +202,17 @@ def _expect_top_k_per_row(name: str, fn: Callable, model: GPT2) -> None:
     prompts, n, where = _tokens(4, 3, seed=8), 1500, f"{name}(top_k=3, four different prompts)"
     top = model(prompts)[:, -1].detach().double().topk(3, dim=-1)
     torch.manual_seed(9)
-    drawn = call(where, fn, model, prompts.repeat_interleave(n, dim=0), 1, top_k=3)[:, -1]
-    hint = "take the k-th largest logit of each row (topk over dim=-1, a (batch, 1) threshold)."
+    rows = prompts.repeat_interleave(n, dim=0)
+    drawn = call(where, fn, model, rows, 1, top_k=3, hint=ROW_THRESHOLD)[:, -1]
+    hint = ROW_THRESHOLD
     mine = drawn.reshape(len(prompts), n, 1) == top.indices[:, None]  # row, draw, its top 3
     for row, freq in enumerate(mine.double().mean(1)):
         own = mine[row].any(-1).all() and (freq - top.values[row].softmax(-1)).abs().max() < 0.06
         expect(own, where, f"row {row} does not sample from its own 3 likeliest tokens.", hint)
+
+
+ROW_THRESHOLD = "each row keeps its own top_k: the threshold is the k-th largest logit of that "
+ROW_THRESHOLD += "row, one per row, not one for the whole batch."
 
 
 def check_generate(fn: Callable[..., torch.Tensor]) -> None:
@@ -209,9 +226,9 @@ def check_generate(fn: Callable[..., torch.Tensor]) -> None:
     long = call(where, fn, model, prompt, 14, temperature=0, hint=crop)
     expect_close(long, generate(model, prompt, 14, temperature=0), where, crop)
     for options in SAMPLING_CASES:
-        _expect_sampling(name, fn, model, prompt[:1, :1], **options)
-        if options == dict(temperature=1.0, top_k=3):  # then top_k with rows of different prompts
+        if options == dict(temperature=1.0, top_k=3):  # first top_k with different prompts
             _expect_top_k_per_row(name, fn, model)
+        _expect_sampling(name, fn, model, prompt[:1, :1], **options)
     torch.manual_seed(1)  # the second run finds the global generator where the first left it
     runs = [call(name, fn, model, prompt, 6, generator=seeded(11)) for _ in range(2)]
     hint = "draw every random number from the generator: multinomial(..., generator=generator)."
@@ -300,8 +317,8 @@ def check_sample_batch(fn: Callable) -> None:
     expect(windows >= 32, where, f"the 64 rows hold only {windows} different windows.", hint)
     starts = _windows(name, fn, data[:10], position, 600, 4, seeded(20))  # 6 windows, as often
     where, shown = f"{name}(data of 10 tokens, n_ctx=4)", sorted(starts.unique().tolist())
-    hint = "the last window starts at len(data) - n_ctx - 1 (its targets end at data[-1]), the "
-    hint += "first at 0: torch.randint(len(data) - n_ctx, ...) draws exactly those."
+    hint = "every start from 0 to len(data) - n_ctx - 1 (the last window's targets end at "
+    hint += "data[-1]) may be drawn, none past it: mind that randint's upper bound is exclusive."
     problem = f"windows start at {shown}; expected each of 0-5."
     expect(starts.min() == 0 and starts.max() == 5, where, problem, hint)
     torch.manual_seed(1)  # each call finds the global generator where the one before left it
@@ -617,6 +634,9 @@ def check_train_loop(fn: Callable[..., training.History]) -> None:
         hint = "each step: set its rate, then train_step(model, optimizer, *get_batch(step), ...)."
         same = _same_state(model.state_dict(), reference.state_dict())
         expect(same, where, "the final weights differ from the reference's.", hint)
+        problem = "the model was left in eval mode after the loop."
+        hint = f"after the loop the model is in train mode, as training left it: {EVAL_HINT}"
+        expect(model.training, where, problem, hint)
         got, last = call(f"{where}, its History", _numbers, history, hint=HISTORY), wanted.evals
         last = {"History.best keeps the lowest val_loss so far, not the last.": last[-1].values()}
         for field, expected in _numbers(wanted).items():

@@ -74,11 +74,27 @@ def expect_unchanged(name: str, given: Tensor, original: Tensor) -> None:
     expect(torch.equal(given, original), name, "it changed its input x in place.", hint)
 
 
-def describe(value: Any) -> str:
-    """A short description of a value, for a message."""
+def describe(value: Any, width: int = 200) -> str:
+    """A short description of a value, for a message: a long list or dict shows its first
+    entries, whole, and how many there are (never an entry cut in the middle)."""
     if isinstance(value, Tensor):
         return f"a {str(value.dtype)[6:]} tensor of shape {tuple(value.shape)}"
-    return f"{value!r:.200}"
+    text = repr(value)
+    if len(text) <= width or not isinstance(value, (list, tuple, dict)):
+        return text if len(text) <= width else text[: width - 3] + "..."
+    part = max(width // 2, 40)  # a long entry is itself shortened, whole entries first
+    if isinstance(value, dict):
+        items = [f"{k!r}: {describe(v, part)}" for k, v in value.items()]
+    else:
+        items = [describe(item, part) for item in value]
+    shown = 0
+    while shown < len(items) and sum(len(i) + 2 for i in items[: shown + 1]) < width - 30:
+        shown += 1
+    ends = {dict: "{}", tuple: "()"}.get(type(value), "[]")
+    if shown == len(items):
+        return f"{ends[0]}{', '.join(items)}{ends[1]}"
+    head = "".join(f"{item}, " for item in items[: max(shown, 1)])
+    return f"{ends[0]}{head}...{ends[1]} ({len(items)} entries)"
 
 
 def shape_of(value: Any) -> tuple | str:
@@ -120,19 +136,56 @@ def expect_close(actual, expected, name: str, hint="", *, atol=1e-5, rtol=1e-4, 
     if isinstance(expected, Tensor):
         expect(isinstance(actual, Tensor), name, problem)
         shape, got = tuple(expected.shape), tuple(actual.shape)
-        sizes = "check which dimensions you reduce or rearrange."
-        expect(got == shape, name, f"expected shape {shape}, got {got}.", sizes)
+        expect(got == shape, name, f"expected shape {shape}, got {got}.", shape_hint(got, shape))
         expect(not torch.isnan(actual).any(), name, "the result contains NaN.", hint)
-        actual = actual.detach().to(expected.dtype)
+        dtype, actual = actual.dtype, actual.detach().to(expected.dtype)
         if torch.allclose(actual, expected, atol=atol, rtol=rtol):
             return
-        worst, used = (actual.double() - expected.double()).abs().max(), str(expected.dtype)[6:]
-        problem = f"values differ from the reference (max abs diff {worst:.3g}; {used} output "
-        problem += f"of shape {shape})."
+        problem = f"values differ from the reference ({_gap(actual, expected)}; "
+        problem += f"{str(dtype)[6:]} output of shape {shape})."
+        expect_no_known_mistake(name, actual, mistakes or {}, atol=atol, problem=problem)
+        expect(not _rounded(actual, expected), name, problem, PRECISION_HINT)
+        expect(False, name, problem, hint)
     elif matches(actual, expected):
         return
     expect_no_known_mistake(name, actual, mistakes or {}, atol=atol, problem=problem)
     expect(False, name, problem, hint)
+
+
+def shape_hint(got: tuple, wanted: tuple) -> str:
+    """What a shape that differs from the `wanted` one suggests."""
+    if len(got) < len(wanted) and wanted[len(wanted) - len(got) :] == got:
+        missing = wanted[: len(wanted) - len(got)]
+        return f"the leading dims {missing} are missing: was a batch dim never added?"
+    if len(got) != len(wanted):
+        return f"expected {len(wanted)} dimensions, got {len(got)}."
+    return "check which dimensions you reduce or rearrange."
+
+
+PRECISION_HINT = "precision: the result is right to float32's rounding only; compute in the "
+PRECISION_HINT += "input's dtype (float64 here: no .float(), no float32 constants) and return it."
+
+
+def _gap(actual: Tensor, expected: Tensor) -> str:
+    """How `actual` differs from `expected`: infinities where finite values belong (or the
+    reverse) said as such, else the largest difference of the finite values."""
+    both = actual.isfinite() & expected.isfinite()
+    same = (actual == expected) | both
+    if not same.all():
+        where = int((~same).sum())
+        ours, theirs = actual[~same][0].item(), expected[~same][0].item()
+        return f"{where} entries are {ours} where the reference has {theirs}"
+    return f"max abs diff {(actual.double() - expected.double())[both].abs().max():.3g}"
+
+
+def _rounded(actual: Tensor, expected: Tensor) -> bool:
+    """Whether `actual` is the float64 `expected` to float32's rounding: the formula right,
+    the precision lost on the way."""
+    if expected.dtype != torch.float64 or not expected.numel() or not expected.isfinite().all():
+        return False
+    tol, expected = 100 * torch.finfo(torch.float32).eps, expected.detach()
+    scale = float(expected.abs().max())
+    return torch.allclose(actual.detach().double(), expected, atol=tol * scale, rtol=tol)
 
 
 def floats(values: Any) -> Tensor | str:
@@ -163,7 +216,7 @@ def expect_schedule(name: str, fn: Callable, reference: Callable, cases, mistake
     for case in cases:
         where = f"{name}(step, {', '.join(f'{k}={v}' for k, v in case.items())})"
         steps = range(case.get("max_steps", 10 * case["warmup_steps"]) + 6)
-        rates = [call(where, fn, step, **case) for step in steps]
+        rates = [call(where, fn, step, **case, hint=hint) for step in steps]
         other = next((r for r in rates if not isinstance(r, (int, float))), None)
         expect(other is None, where, f"returned {describe(other)}.", "return a float.")
         wrong = {h: [f(step, **case) for step in steps] for h, f in mistakes.items()}

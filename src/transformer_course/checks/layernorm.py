@@ -13,6 +13,7 @@ from transformer_course.checks.harness import (
     expect,
     expect_close,
     expect_hooks,
+    expect_raises,
     passed,
     perturb,
     randn,
@@ -111,14 +112,43 @@ def _check_norm(name: str, cls: type, centre: bool) -> None:
         hint += "passes); mean(x**2) - mean(x)**2 cancels catastrophically for a large mean."
         actual, where = call(f"{name}.forward", module, x), f"{name} (float32 input, mean 10000)"
         expect_close(actual, expected, where, hint, atol=1e-2, rtol=1e-2)
-    module = perturb(call(f"{name}.__init__", cls, D_MODEL, eps=1e-5), seed=7)
-    (ours := reference(D_MODEL, eps=1e-5)).load_state_dict(module.state_dict())
-    x, where = (randn(3, 5, D_MODEL, seed=7) * 300).half(), f"{name} (float16 input near 300)"
-    actual, hint = call(f"{name}.forward", module, x), "compute in float32, return `.to(x.dtype)`."
-    dtype = getattr(actual, "dtype", None)
-    expect(dtype == torch.float16, where, f"expected a float16 output (as x), got {dtype}.", hint)
-    expect_close(actual, ours(x).detach(), where, HALF_HINT, atol=1e-2, rtol=1e-2)
+    _check_half(name, cls, reference, table)
+    _check_refuses(name, cls)
     passed(name)
+
+
+def _check_half(name: str, cls: type, reference: type, table) -> None:
+    """float16 and bfloat16 inputs, near 300 (squares overflow float16) and near 0.5 with a
+    large eps (where eps goes shows): the input's dtype out, the reference's values."""
+    for dtype, tol in ((torch.float16, 1e-2), (torch.bfloat16, 2e-2)):
+        for eps, scale in ((1e-5, 300.0), (BIG_EPS, 0.5)):
+            module = perturb(call(f"{name}.__init__", cls, D_MODEL, eps=eps), seed=7)
+            (ours := reference(D_MODEL, eps=eps)).load_state_dict(module.state_dict())
+            x = (randn(3, 5, D_MODEL, seed=7) * scale).to(dtype)
+            where = f"{name}(eps={eps}) ({str(dtype)[6:]} input of scale {scale:g})"
+            hint = "compute in float32, return `.to(x.dtype)`."
+            actual = call(f"{name}.forward", module, x)
+            got = getattr(actual, "dtype", None)
+            problem = f"expected a {str(dtype)[6:]} output (as x), got {got}."
+            expect(got == dtype, where, problem, hint)
+            w, b = module.w.detach().double(), getattr(module, "b", torch.zeros(1)).detach()
+            exact = dict(eps=eps, centre=name == "LayerNorm")
+            wrong = {h: _norm(x.double(), w, b.double(), **{**exact, **k}) for h, k in table}
+            expected = ours(x).detach()
+            expect_close(actual, expected, where, HALF_HINT, atol=tol, rtol=tol, mistakes=wrong)
+
+
+LAST_DIM_HINT = "an input whose last dim is not d_model must be refused with a ValueError "
+LAST_DIM_HINT += 'that says so: start with validate.last_dim("x", x, self.d_model), given.'
+
+
+def _check_refuses(name: str, cls: type) -> None:
+    """An input whose last dim is not `d_model` is refused, also one of size 1, which
+    broadcasts against `w` and `b` into a wrong result instead of failing."""
+    module = call(f"{name}.__init__", cls, D_MODEL)
+    for shape in ((2, 3, 1), (2, D_MODEL + 1)):
+        x, where = torch.ones(shape), f"{name}(d_model={D_MODEL}) on an input of shape {shape}"
+        expect_raises(where, LAST_DIM_HINT, module, x, errors=(ValueError,))
 
 
 def check_layernorm(cls: type) -> None:

@@ -28,7 +28,7 @@ BROADCAST_HINT = "let the masks broadcast: (q_pos, k_pos) & (batch, 1, 1, k_pos)
 BROADCAST_HINT += "q_pos, k_pos). `&` broadcasts for you; don't stack, reshape or slice them."
 NONE_HINT = "`None` means no restriction: skip it; with no mask left, return None."
 NON_BOOL_HINT = "a 0/1 float or int mask could mean either convention: refuse it with a "
-NON_BOOL_HINT += "ValueError, e.g. `validate.bool_mask(mask, f'masks[{index}]')`."
+NON_BOOL_HINT += "ValueError, e.g. `validate.bool_mask(f'masks[{index}]', mask)`."
 
 
 def _expect_bool_mask(actual: object, expected: torch.Tensor, name: str, hint: str) -> None:
@@ -64,7 +64,16 @@ def check_causal_mask(fn: Callable[..., torch.Tensor]) -> None:
     meta, where = call(name, fn, 3, 5, device="meta"), f"{name}(3, 5, device='meta')"
     on, hint = getattr(meta, "device", describe(meta)), "create the tensor with device=device."
     expect(getattr(on, "type", "") == "meta", where, f"the mask is on {on}, not on 'meta'.", hint)
+    for args, why in (((0,), "an empty mask"), ((4, 2), "queries that see no key at all")):
+        where = f"{name}{args}".replace(",)", ")")
+        hint = f"this gives {why} without a word: refuse it with a ValueError. {LENGTHS_HINT}"
+        expect_raises(where, hint, fn, *args, errors=(ValueError,))
     passed(name)
+
+
+LENGTHS_HINT = "q_len must be a positive int and k_len at least q_len: validate.positive_int("
+LENGTHS_HINT += '"q_len", q_len) and validate.at_least("k_len", k_len, "q_len", q_len) refuse '
+LENGTHS_HINT += "the others."
 
 
 def check_padding_mask(fn: Callable[..., torch.Tensor]) -> None:
@@ -127,6 +136,10 @@ def check_combine_masks(fn: Callable[..., torch.Tensor | None]) -> None:
     passed(name)
 
 
+HALF_HINT = "half-precision scores: compute the softmax in float32 (`upcast(scores)`, given), "
+HALF_HINT += "then return the pattern in the scores' own dtype (`.to(scores.dtype)`)."
+
+
 def _expect_weights(where: str, fn: Callable, scores, mask, finite_hint: str, crash: str = ""):
     """The learner's weights: a tensor of the scores' shape, the convention kept, finite."""
     actual = call(where, fn, scores, mask, hint=crash)
@@ -164,6 +177,14 @@ def check_masked_softmax(fn: Callable[..., torch.Tensor]) -> None:
         where = f"{name} ({dtype}, a row with no allowed key)"
         row = _expect_weights(where, fn, scores, empty, nan, fp16 * (dtype != torch.float32))[1]
         expect(not row.any(), where, f"expected an all-zero pattern row, got {row.tolist()}.", hint)
+    for dtype in (torch.float16, torch.bfloat16):  # in float32 inside, the scores' dtype out
+        scores = (torch.randn(2, 5, 6, generator=generator) * 30).to(dtype)
+        mask, where = torch.rand(2, 5, 6, generator=generator) < 0.7, f"{name} ({dtype} scores)"
+        actual = _expect_weights(where, fn, scores, mask, OVERFLOW_HINT, fp16)
+        problem = f"expected a {str(dtype)[6:]} pattern (the scores' dtype), got {actual.dtype}."
+        expect(actual.dtype == dtype, where, problem, HALF_HINT)
+        expected = masking.masked_softmax(scores, mask)
+        expect_close(actual, expected, where, HALF_HINT, atol=1e-2, rtol=1e-2)
     scores = torch.randn(2, 5, 6, generator=generator, dtype=torch.float64)
     where, hint = f"{name}(mask=None)", "`mask` defaults to None: plain softmax over the last dim."
     unmasked = call(where, fn, scores, hint=hint)

@@ -60,7 +60,7 @@ def _expect_cases(name: str, fn: Callable, cases, hint: str) -> None:
     """`fn(*args)` against the reference function `name`, args unchanged, per `(*args, hint)`."""
     reference = getattr(tokenization, name)
     for *args, case_hint in cases:
-        where, given = f"{name}({', '.join(f'{a!r:.50}' for a in args)})", copy.deepcopy(args)
+        where, given = f"{name}({', '.join(describe(a, 60) for a in args)})", copy.deepcopy(args)
         actual = call(where, fn, *given, hint=case_hint or hint)
         expect(given == args, where, "it changed an argument it was given.", "return a new list.")
         expect_close(actual, reference(*args), where, case_hint or hint)
@@ -72,9 +72,9 @@ def check_get_pair_counts(fn: Callable) -> None:
     hint = "pair each id with the next one: zip(ids, ids[1:]). Overlapping pairs all count here."
     _expect_cases(name, fn, [*cases, (list(b"hello, hello"), "")], hint)
     counts, where = {(1, 2): 1}, f"{name}([1, 2, 1, 2], counts={{(1, 2): 1}}, weight=3)"
-    actual = call(name, fn, [1, 2, 1, 2], counts, 3)
     hint = "add `weight` per occurrence to the `counts` you were given (a chunk seen 3 times "
-    hint += "counts 3 times)."
+    hint += "counts 3 times), which may already hold pairs."
+    actual = call(where, fn, [1, 2, 1, 2], counts, 3, hint=hint)
     expect(actual is counts, where, "expected the same dict, updated; got a new one.", hint)
     expect_close(actual, {(1, 2): 7, (2, 1): 3}, where, hint)
     passed(name)
@@ -100,26 +100,40 @@ def check_merge_pair(fn: Callable) -> None:
 
 
 def _most_frequent(chunks: list[tuple], pair: tuple, weighted: bool = True) -> bool:
-    """Whether `pair` has the highest count over `chunks`, [(ids, count)], weighted or not."""
+    """Whether `pair` occurs in `chunks`, [(ids, count)], and has the highest count there,
+    weighted or not."""
     counts: dict = {}
     for chunk, weight in chunks:
         tokenization.get_pair_counts(chunk, counts, weight if weighted else 1)
-    return counts.get(pair, 0) == max(counts.values())
+    return counts.get(pair, 0) > 0 and counts[pair] == max(counts.values())
+
+
+GONE_HINT = "stop when no chunk has a pair left: a pair whose count fell to 0 no longer occurs, "
+GONE_HINT += "and merging it adds a token the text never uses."
+ONCE_MORE_HINT = "a pair that occurs once is still the most frequent when no pair occurs more "
+ONCE_MORE_HINT += "often: merge it too, and stop only when no chunk has a pair left."
 
 
 def check_train_merges(fn: Callable) -> None:
-    """`train_merges(chunk_counts, num_merges)`: each merge a most frequent pair then."""
+    """`train_merges(chunk_counts, num_merges)`: each merge a most frequent pair then, and no
+    more merges than the text has pairs for."""
     name = "train_merges"
     shakespeare = tokenization.count_chunks(SAMPLE * 3 + "the the the ", GPT2_SPLIT_PATTERN)
     for label, chunk_counts, num_merges in (
         ("the chunk b'aaabdaaabac'", {b"aaabdaaabac": 1}, 3),
         ("a small Shakespeare sample (with chunk counts)", shakespeare, 40),
+        ("chunks b'abcd' and b'xy' (4 merges leave no pair)", {b"abcd": 1, b"xy": 2}, 10),
     ):
         where = f"{name}({label}, {num_merges})"
-        merges = call(where, fn, dict(chunk_counts), num_merges)
+        merges = call(where, fn, dict(chunk_counts), num_merges, hint=GONE_HINT)
+        wanted = len(tokenization.train_merges(chunk_counts, num_merges))
         got = len(merges) if isinstance(merges, dict) else describe(merges)
-        problem = f"expected a dict of {num_merges} merges {{pair: new_id}}, got {got}."
-        expect(got == num_merges, where, problem, "loop until you have num_merges merges.")
+        problem = f"expected a dict of {wanted} merges {{pair: new_id}}, got {got}."
+        hint = "loop until you have num_merges merges."
+        if wanted < num_merges:
+            problem = f"expected {wanted} merges, after which no chunk has a pair left; got {got}."
+            hint = GONE_HINT if isinstance(got, int) and got > wanted else ONCE_MORE_HINT
+        expect(got == wanted, where, problem, hint)
         chunks = [(list(chunk), weight) for chunk, weight in chunk_counts.items()]
         for step, (pair, new_id) in enumerate(merges.items()):
             problem, hint = f"merge {step} created id {new_id}.", "new ids count up from 256."

@@ -21,6 +21,7 @@ from transformer_course.checks.harness import (
     expect_close,
     expect_evaluating,
     expect_hooks,
+    expect_raises,
     expect_same_in_train_mode,
     expect_schedule,
     load_reference_weights,
@@ -30,7 +31,7 @@ from transformer_course.checks.harness import (
     seeded,
     shape_of,
 )
-from transformer_course.decoding import greedy_decode
+from transformer_course.decoding import beam_search, greedy_decode
 from transformer_course.encoder_decoder import (
     EncoderDecoderTransformer,
     Seq2SeqConfig,
@@ -85,18 +86,19 @@ def check_residual_sublayer(fn: Callable[..., Tensor]) -> None:
     name, resid, weight = "residual_sublayer", 3 * randn(2, 5, 16, seed=7) + 1, randn(16, 16) / 4
     ln, f = perturb(LayerNorm(16).double(), seed=7), lambda x: 2 * torch.tanh(x @ weight)
     normed = ln(resid)
-    pre_ln = "this is pre-LN; with norm='post' return ln(resid + dropout(sublayer(resid)))."
+    pre_ln = "this is pre-LN: with norm='post' the sublayer reads the stream as it is, and the "
+    pre_ln += "norm comes after the residual add."
     mistakes = {  # by norm: the outputs of the classic bugs, keyed by their hint
         "pre": {
-            "this is post-LN; with norm='pre' normalise the sublayer's input and leave the stream "
-            "as it is: resid + dropout(sublayer(ln(resid))).": ln(resid + f(resid)),
+            "this is post-LN: with norm='pre' only what the sublayer reads is normalised, and its "
+            "output joins the stream as it is.": ln(resid + f(resid)),
             "only the sublayer's input is normalised: add its output to resid itself, not to "
             "ln(resid).": normed + f(normed),
         },
         "post": {
             pre_ln: resid + f(normed),
-            "post-LN normalises the sum, ln(resid + out), not ln(resid) + out: the norm comes "
-            "after the residual add.": normed + f(resid),
+            "the norm comes before the residual add here: post-LN normalises the stream after "
+            "the sublayer's output has joined it.": normed + f(resid),
         },
     }
 
@@ -111,8 +113,11 @@ def check_residual_sublayer(fn: Callable[..., Tensor]) -> None:
         where = f"{name}(norm={norm!r}{train})"
         drop = torch.nn.Dropout(dropout).train() if dropout else (lambda t: t)
         (actual, seen), (expected, wanted) = run(fn, norm, drop), run(residual_sublayer, norm, drop)
-        form = "resid + out" if norm == "pre" else "ln(resid + out)"
-        hint, wrong = f"with out = dropout(sublayer(...)), return {form}.", mistakes[norm]
+        hint = "pre-LN: the sublayer reads the normalised stream; its output, after dropout, "
+        hint += "joins the stream itself."
+        if norm == "post":
+            hint = "post-LN: the sublayer reads the stream; the norm follows the residual add."
+        wrong = mistakes[norm]
         if dropout:
             hint, wrong = "apply dropout once, to the sublayer's output, before hook_out.", {}
         expect_close(actual, expected, where, hint, atol=1e-8, mistakes=wrong)
@@ -241,37 +246,69 @@ def check_encoder_decoder(cls: type) -> None:
             hint += "context=memory, context_mask=src_mask; (pre-LN) ln_dec; then x @ W_U + b_U."
             wanted, where = ours.decode(*args), f"{where}, decode"
             expect_close(logits, wanted, where, hint, atol=1e-6, mistakes=mistakes)
+    bad_src, bad_tgt = src.masked_fill(src == 2, -1), tgt.masked_fill(tgt == 1, 13)
+    for label, method, given in (
+        ("a source id -1", "encode", (bad_src,)),
+        ("a target id 13 = tgt_vocab", "decode", (bad_tgt, *args[1:])),
+    ):
+        where = f"{name}.{method}({label})"
+        refused = getattr(theirs, method)
+        expect_raises(where, IDS_HINT, refused, *given, errors=(ValueError, TypeError))
     passed(name)
 
 
+IDS_HINT = "ids outside [0, vocab) must be refused with a clear error: W_E[-1] silently reads "
+IDS_HINT += (
+    "the last row. Start each method with validate.token_tensor(name, tokens, vocab), given."
+)
+
+
 LABEL_SMOOTHING_CASES = [  # label, logits scale, options, hint
-    ("", 1, dict(smoothing=0.2, ignore_index=0), "(1 - s) * nll + s * mean(-log p)."),
+    ("", 1, dict(smoothing=0.2, ignore_index=0), "mix the target's nll and the vocab's mean."),
     (" (ignore_index left at its default, None)", 1, dict(smoothing=0.2), "every position counts."),
     (" (smoothing=0)", 1, dict(smoothing=0.0, ignore_index=0), "this is the plain cross-entropy."),
     (" (confident logits, scaled by 1000)", 1000, dict(smoothing=0.2, ignore_index=0), ""),
 ]
+SPREAD_HINT = "the smoothing mass is spread over all vocab tokens, the right one included: the "
+SPREAD_HINT += "target is (1 - s) * one_hot + s / vocab."
+IGNORED_HINT = "ignore_index: the positions whose target is ignore_index (padding) must not "
+IGNORED_HINT += "count, neither in the sum nor in the number you divide it by."
+ALL_IGNORED_HINT = "a batch whose every target is ignore_index has no position to average: "
+ALL_IGNORED_HINT += "its loss is 0 (divide by at least 1), not 0 / 0 = NaN."
+
+
+def _smoothing_mistakes(logits, targets, smoothing, ignore_index) -> dict[str, Tensor]:
+    """The losses of the classic mistakes of label smoothing, by their hints."""
+    log_probs = logits.log_softmax(-1)
+    kept = torch.ones_like(targets, dtype=torch.bool) if ignore_index is None else targets != 0
+    nll = -log_probs.gather(-1, targets[..., None]).squeeze(-1)
+    others = (-log_probs.sum(-1) - nll) / (logits.shape[-1] - 1)
+    smoothed = (1 - smoothing) * nll + smoothing * -log_probs.mean(-1)
+    mistakes = {SPREAD_HINT: ((1 - smoothing) * nll + smoothing * others)[kept].mean()}
+    if ignore_index is not None:
+        mistakes[IGNORED_HINT] = smoothed.mean()  # padding's losses in the sum and the count
+        mistakes[IGNORED_HINT + " "] = (smoothed * kept).sum() / kept.numel()  # in the count
+    return mistakes
 
 
 def check_label_smoothing(fn: Callable[..., Tensor]) -> None:
-    """`fn(logits, targets, smoothing=, ignore_index=)`: `F.cross_entropy`'s result."""
+    """`fn(logits, targets, smoothing=, ignore_index=)`: `F.cross_entropy`'s result, and 0 for
+    a batch without a position that counts."""
     name, logits = "label_smoothed_cross_entropy", randn(3, 6, 9, seed=2)
     targets = torch.randint(1, 9, (3, 6), generator=seeded(2))
     targets[0, 3:] = 0
-    log_probs, keep = logits.log_softmax(-1), targets != 0
-    nll = -log_probs.gather(-1, targets[..., None]).squeeze(-1)
-    others, smoothed = (-log_probs.sum(-1) - nll) / 8, 0.8 * nll + 0.2 * -log_probs.mean(-1)
-    spread = "the smoothing mass is spread over all vocab tokens, the right one included: the "
-    spread += "target is (1 - s) * one_hot + s / vocab."
-    padding = "padding positions count: average over the targets that are not ignore_index."
-    mistakes = {spread: (0.8 * nll + 0.2 * others)[keep].mean(), padding: smoothed.mean()}
     for label, scale, options, hint in LABEL_SMOOTHING_CASES:
         actual = call(name + label, fn, logits * scale, targets, **options)
         ignore, smoothing = options.get("ignore_index", -100), options["smoothing"]
         flat = (logits * scale).flatten(0, 1), targets.flatten()
         expected = F.cross_entropy(*flat, label_smoothing=smoothing, ignore_index=ignore)
         hint = hint or "softmax(...).log() underflows to log(0) = -inf: use log_softmax."
-        wrong = {} if label else mistakes
+        wrong = _smoothing_mistakes(logits * scale, targets, smoothing, options.get("ignore_index"))
         expect_close(actual, expected, name + label, hint, atol=1e-6 * scale, mistakes=wrong)
+    where = f"{name} (every target is ignore_index)"
+    actual = call(where, fn, logits, torch.zeros_like(targets), smoothing=0.1, ignore_index=0)
+    zero = torch.zeros((), dtype=logits.dtype)
+    expect_close(actual, zero, where, ALL_IGNORED_HINT, atol=1e-12)
     passed(name)
 
 
@@ -287,9 +324,14 @@ def check_inverse_sqrt_lr(fn: Callable[..., float]) -> None:
     from_zero += "peak comes at step warmup_steps - 1."
     linear = "after warmup the rate falls with the square root of the step, not the step itself."
     mistakes = {from_zero: partial(_inverse_sqrt, shift=0), linear: partial(_inverse_sqrt, power=1)}
-    hint = "n = step + 1; return lr * min(n / warmup_steps, sqrt(warmup_steps / n))."
+    hint = "a linear rise to lr at the end of warmup, then a fall with the inverse square root "
+    hint += "of the step; warmup_steps=0 means no warmup, as 1."
     cases = [dict(lr=1e-3, warmup_steps=100), dict(lr=7e-4, warmup_steps=40)]
     expect_schedule("inverse_sqrt_lr", fn, inverse_sqrt_lr, cases, mistakes, hint)
+    hint = "warmup_steps=0 means no warmup: the rate starts at lr (as warmup_steps=1 does), no "
+    hint += "division by zero."
+    no_warmup = [dict(lr=5e-4, warmup_steps=0)]
+    expect_schedule("inverse_sqrt_lr", fn, inverse_sqrt_lr, no_warmup, {}, hint)
     passed("inverse_sqrt_lr")
 
 
@@ -307,7 +349,9 @@ class _Toy(EncoderDecoderTransformer):
         return src[..., None].double().expand(*src.shape, self.cfg.d_model)
 
     def decode(self, tgt: Tensor, memory: Tensor, src_mask: Tensor | None) -> Tensor:
-        logits = torch.full((*tgt.shape, self.cfg.tgt_vocab), -30.0)
+        # Tokens the rule leaves out are very unlikely, each a little differently (no ties).
+        unlisted = -30.0 + 1e-3 * torch.arange(self.cfg.tgt_vocab, dtype=torch.float32)
+        logits = unlisted.expand(*tgt.shape, -1).clone()
         for row, first in enumerate(memory[:, 0, 0].long().tolist()):
             for pos, token in enumerate(tgt[row].tolist()):
                 for nxt, p in self.rule(first, pos, token).items():
@@ -349,18 +393,24 @@ def check_greedy_decode(fn: Callable[..., list[list[int]]]) -> None:
         actual = expect_evaluating(name, fn, model, real_src, **ids, max_new_tokens=8)
         hint = "encode once, then repeatedly decode the tokens so far and append the argmax."
         expect_close(actual, expected, f"{name} (a random model, dropout={dropout})", hint)
+    _expect_no_length_refused(name, fn, src)
     passed(name)
+
+
+NO_LENGTH_HINT = "with max_new_tokens and max_len both None there is no length to stop at: "
+NO_LENGTH_HINT += "refuse it with a ValueError (_decode_args, given, checks every argument)."
+
+
+def _expect_no_length_refused(name: str, fn: Callable, src: Tensor) -> None:
+    """Neither `max_new_tokens` nor its former name `max_len`: a ValueError, not a loop."""
+    where, ids = f"{name}(max_new_tokens=None, max_len=None)", dict(bos_id=1, eos_id=2)
+    decode = partial(fn, **ids, max_new_tokens=None, max_len=None)
+    expect_raises(where, NO_LENGTH_HINT, decode, _scripted(lambda first: 4), src)
 
 
 def check_beam_search(fn: Callable[..., list[list[int]]]) -> None:
     """`fn(model, src, *, bos_id, eos_id, max_new_tokens, beam_size)`: the likeliest."""
     name, ids = "beam_search", dict(bos_id=1, eos_id=2, max_new_tokens=8)
-    for dropout in (0.0, 0.3):
-        model, src = _random_translator(6, dropout), torch.randint(3, 20, (3, 5))
-        one = expect_evaluating(name, fn, model, src, **ids, beam_size=1)
-        hint = "keep the beam_size best (sequence, total log-probability) pairs at each step."
-        where = f"{name} (beam_size=1, dropout={dropout})"
-        expect_close(one, greedy_decode(model, src, **ids), where, hint)
     trees = {  # by first source token: next-token probabilities by previous token
         3: {1: {5: 0.6, 6: 0.4}, 5: {2: 0.4, 7: 0.3, 8: 0.3}, 6: {2: 0.9, 7: 0.1}},
         4: {1: {5: 0.4, 6: 0.6}, 5: {2: 0.95, 7: 0.05}, 6: {2: 0.4, 7: 0.3, 8: 0.3}},
@@ -373,7 +423,95 @@ def check_beam_search(fn: Callable[..., list[list[int]]]) -> None:
     greedy += "log-probabilities, so a less likely first token can win with a likelier ending."
     hint = "decode each row with its own beams, and return tokens without <s> and </s>."
     expect_close(found, [[6], [5]], where, hint, mistakes={greedy: greedy_decode(tree, src, **ids)})
+    for label, rules, options, hint in BEAM_CASES:
+        model, src = _Toy(lambda f, p, token, rules=rules: rules.get(token, {2: 1.0})), SRC
+        where = f"{name}({', '.join(f'{k}={v}' for k, v in options.items())}), {label}"
+        found = call(where, fn, model, src, bos_id=1, eos_id=2, beam_size=2, **options)
+        wanted = beam_search(model, src, bos_id=1, eos_id=2, beam_size=2, **options)
+        expect_close(found, wanted, where, hint)
+    for dropout in (0.0, 0.3):
+        model, src = _random_translator(6, dropout), torch.randint(3, 20, (3, 5))
+        one = expect_evaluating(name, fn, model, src, **ids, beam_size=1)
+        hint = "keep the beam_size best (sequence, total log-probability) pairs at each step."
+        where = f"{name} (beam_size=1, dropout={dropout})"
+        expect_close(one, greedy_decode(model, src, **ids), where, hint)
+    _expect_no_length_refused(name, fn, src)
     passed(name)
+
+
+SRC = torch.tensor([[3, 3]])  # one source row; the toy models ignore it
+PENALTY = "divide each ended translation's total log-probability by length ** length_penalty"
+BEAM_CASES = [  # label, next-token probabilities by the token before, options, hint; each case
+    # tells one mistake from the contract, and comes before the cases its mistake also changes
+    (
+        "no translation ends within max_new_tokens",
+        {1: {8: 0.6, 7: 0.39}, 8: {8: 0.7, 7: 0.29}, 7: {8: 0.55, 7: 0.44}},
+        dict(max_new_tokens=3),
+        "when none has ended after max_new_tokens steps, the live beams compete (each over "
+        "length ** length_penalty): return the best, never an empty list.",
+    ),
+    (
+        "an unlikely </s> among the 2 * beam_size candidates",
+        {
+            1: {2: 0.12, 7: 0.45, 8: 0.42},
+            6: {7: 0.39, 5: 0.17, 6: 0.44},
+            7: {6: 1.0},
+            8: {8: 0.28, 6: 0.72},
+            5: {5: 1.0},
+        },
+        dict(max_new_tokens=3),
+        "walk the candidates best first and stop once beam_size go on: an </s> after that is not "
+        "among the best and is not set aside.",
+    ),
+    (
+        "translations of different lengths",
+        {
+            1: {6: 0.17, 7: 0.65, 8: 0.18},
+            5: {6: 0.64, 7: 0.36},
+            6: {8: 0.17, 2: 0.83},
+            7: {6: 0.39, 2: 0.55, 7: 0.06},
+            8: {2: 0.47, 5: 0.53},
+        },
+        dict(max_new_tokens=3),
+        "a translation's length counts its tokens and its </s>, not <s>: [5, 6, </s>] has 3.",
+    ),
+    (
+        "length_penalty left at its default, 0.6",
+        {
+            1: {7: 1.0},
+            5: {8: 0.58, 7: 0.42},
+            6: {5: 0.77, 8: 0.23},
+            7: {5: 0.48, 7: 0.24, 2: 0.28},
+            8: {8: 0.54, 2: 0.46},
+        },
+        dict(max_new_tokens=4),
+        f"{PENALTY}, with the length_penalty given (0.6 by default), not by the length itself.",
+    ),
+    (
+        "an early </s> against a likelier longer translation",
+        {
+            1: {6: 0.26, 8: 0.44, 2: 0.3},
+            6: {7: 0.34, 2: 0.61, 8: 0.04},
+            7: {2: 1.0},
+            8: {6: 0.48, 5: 0.52},
+            5: {7: 1.0},
+        },
+        dict(max_new_tokens=3),
+        f"rank by score, not by the raw sum: {PENALTY}, so short ones are not favoured.",
+    ),
+    (
+        "length_penalty=1.0",
+        {
+            1: {7: 1.0},
+            5: {8: 0.58, 7: 0.42},
+            6: {5: 0.77, 8: 0.23},
+            7: {5: 0.48, 7: 0.24, 2: 0.28},
+            8: {8: 0.54, 2: 0.46},
+        },
+        dict(max_new_tokens=4, length_penalty=1.0),
+        f"{PENALTY}, with the length_penalty argument, not a fixed exponent.",
+    ),
+]
 
 
 def check_mlp(cls: type) -> None:
