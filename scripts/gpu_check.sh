@@ -6,14 +6,15 @@
 #   timed      alone on the GPU, one after the other: shakespeare_char (best validation loss
 #              <= 1.46 within 60 s of training), then GPT-2 small's training step against Hugging
 #              Face's (<= 0.9x its step time, MFU >= 40%)
-#   cuda       tests/test_cuda.py: every component on CUDA within its stated tolerance
+#   cuda       tests/test_cuda.py: every component on CUDA within its stated tolerance (the Triton
+#              FlashAttention kernel included), then the kernel timed against SDPA's flash backend
 #   pages      book pages 05 and 06 side by side (each <= 10 minutes)
 #   notebooks  every other notebook, several at a time
 #   translate  chapter 5's full training run (test BLEU >= 40), then its step benchmark
 #
 # Stages run one after another; STAGE+STAGE runs them side by side (`timed cuda+pages`). Each
 # command's output goes to $OUT/NAME.log (OUT defaults to gpu-logs) and a line with its exit
-# status and seconds to $OUT/summary.txt: eight files at most. A failing command is reported and
+# status and seconds to $OUT/summary.txt: ten files at most. A failing command is reported and
 # the next one runs. On an offline machine, make the pack first (../shared/gpu/pack.sh --book):
 # .gpu/env.sh, when present, is sourced. The profile is `full` unless COURSE_PROFILE says otherwise.
 set -uo pipefail
@@ -45,7 +46,8 @@ stage() {  # stage NAME: run one stage's commands
       run char python3 scripts/train_gpt2.py --profile full --compile
       run step python3 benchmarks/gpt2.py --size small --compile ;;
     cuda)
-      run cuda python3 -m pytest -p no:cacheprovider tests/test_cuda.py -n 4 -rs --durations=10 ;;
+      run cuda python3 -m pytest -p no:cacheprovider tests/test_cuda.py -n 4 -rs --durations=10
+      run flash python3 benchmarks/flash_attention.py ;;
     pages)
       run page05 "${nbval[@]}" -p no:xdist book/05_translation.ipynb &
       run page06 "${nbval[@]}" -p no:xdist book/06_gpt2.ipynb &

@@ -14,9 +14,16 @@ For every page:
   * no request to a host other than 127.0.0.1;
   * every internal link points to a file that exists, and its #anchor to an id on that page;
   * at 1440 px and at 390 px (a phone), with collapsed blocks opened, no block (code, output,
-    table, figure, box) is wider than the column or scrolls sideways; a displayed formula may
-    scroll inside itself on the phone, and fits the column at 1440 px;
-  * inline code keeps its spaces (` Hello`, a token with its leading space, is not `Hello`).
+    table, figure, box, displayed formula) is wider than the column; at 1440 px nothing scrolls
+    sideways (every code and output line fits: at most 100 characters), on the phone a code
+    block or a table may scroll inside its own box, never wrap a line back to column 0;
+  * inline code keeps its spaces (` Hello`, a token with its leading space, is not `Hello`);
+  * one printout is one box: no cell shows its printed output split over several boxes;
+  * every image is a numbered figure with a caption, and its text reads on the phone: as shown
+    at 390 px, a plot's 10 pt text (14 px in a PNG made at 100 dpi; so a plot at most about 600
+    px wide) and a drawing's smallest font are 8 px or more;
+  * every part a chapter's exercise box lists is named in the chapter's text (not only in code
+    or in the box), where its idea is taught.
 Every chapter has learning objectives and a summary.
 Without a browser, the HTML is still checked for notebook outputs a reader should never see
 (warnings, stderr, tracebacks, object reprs), for scripts or styles from other hosts, for alt
@@ -66,10 +73,16 @@ BAD_OUTPUT = {
 BAD_OUTPUT_CLASSES = {"stderr", "traceback", "error"}
 # The course's drawn figures (book/images/*.svg) and the page each must appear on.
 DRAWN_FIGURES = {
-    "book/index.html": "chapter_map.svg",
-    "book/02_attention.html": "attention_data_flow.svg",
-    "book/05_translation.html": "encoder_decoder.svg",
-    "book/06_gpt2.html": "gpt2_residual_stream.svg",
+    "book/index.html": ("chapter_map.svg",),
+    "book/02_attention.html": ("attention_data_flow.svg",),
+    "book/05_translation.html": ("encoder_decoder.svg",),
+    "book/06_gpt2.html": ("gpt2_residual_stream.svg",),
+    "book/07_llama.html": (
+        "llama_vs_gpt2_block.svg",
+        "rope_rotation.svg",
+        "grouped_query_heads.svg",
+        "kv_cache.svg",
+    ),
 }
 IMAGE_FILE = re.compile(r"\S*\.(png|svg|jpe?g|gif|webp)", re.IGNORECASE)
 
@@ -198,7 +211,10 @@ def test_every_image_has_a_real_alt_text(page, book_html):
     assert not problems, f"{page}:\n  " + "\n  ".join(problems)
 
 
-@pytest.mark.parametrize("page, drawing", sorted(DRAWN_FIGURES.items()))
+@pytest.mark.parametrize(
+    "page, drawing",
+    [(page, drawing) for page, drawings in DRAWN_FIGURES.items() for drawing in drawings],
+)
 def test_drawn_figure_is_on_its_page_with_a_caption(page, drawing, book_html):
     parsed = scan(book_html / page)
     figures = [f for f in parsed.figures if any(src.endswith("/" + drawing) for src in f["images"])]
@@ -299,15 +315,20 @@ async () => {
   article.querySelectorAll(".toggle-hidden").forEach(e => e.classList.remove("toggle-hidden"));
   const column = article.getBoundingClientRect();
   const blocks = "pre, table, div.cell_output, div.admonition, figure, img, mjx-container";
+  const phone = innerWidth < 960;
   const wide = Array.from(article.querySelectorAll(blocks)).filter(el => {
     const box = el.getBoundingClientRect();
     if (box.width === 0) { return false; }
+    if (phone && el.parentElement.closest("table, pre")) { return false; }  // scrolls with it
     const scrolls = el.scrollWidth > el.clientWidth + 1;
-    if (el.matches("mjx-container[display='true']")) {  // may scroll inside itself on a phone
-      return getComputedStyle(el).overflowX === "visible" || (scrolls && innerWidth >= 1440);
-    }
     const outside = box.left < column.left - 1 || box.right > column.right + 1;
-    return outside || (scrolls && !el.matches("mjx-container"));
+    if (el.matches("mjx-container")) {  // a formula breaks over lines to fit, at any width
+      return outside || (scrolls && el.matches("[display='true']"));
+    }
+    if (el.matches("pre, table") && phone) {  // on a phone: scrolls inside its own box
+      return outside || (scrolls && getComputedStyle(el).overflowX === "visible");
+    }
+    return outside || scrolls;
   }).map(el => {
     const what = (el.textContent || el.getAttribute("src") || "").trim().slice(0, 80);
     return `${el.tagName.toLowerCase()}: ${what}`;
@@ -316,6 +337,35 @@ async () => {
   const collapsedSpaces = Array.from(article.querySelectorAll("code.literal"))
     .filter(code => !keepsSpaces.includes(getComputedStyle(code).whiteSpace))
     .map(code => code.textContent);
+  // Printed output split over several boxes: two stdout boxes in a row in one cell.
+  const splitPrintouts = Array.from(article.querySelectorAll("div.cell_output"))
+    .filter(out => Array.from(out.children).some((box, i, boxes) => i > 0
+      && box.matches(".output.stream") && boxes[i - 1].matches(".output.stream")))
+    .map(out => out.textContent.trim().slice(0, 80));
+  // Figures: caption, and how wide each image is shown against its own width.
+  const figures = images.filter(img => article.contains(img)).map(img => {
+    const figure = img.closest("figure");
+    const caption = figure && figure.querySelector("figcaption");
+    return {
+      src: img.currentSrc || img.src,
+      shown: img.getBoundingClientRect().width,
+      natural: img.naturalWidth,
+      number: caption ? (caption.querySelector(".caption-number") || {}).textContent || "" : "",
+      caption: caption ? caption.textContent.trim() : "",
+    };
+  });
+  // The parts the exercise box lists, and the page's prose (no code cells, no box).
+  const box = Array.from(article.querySelectorAll("div.admonition"))
+    .find(a => /Exercises: the chapter/.test(a.textContent));
+  const parts = box ? Array.from(box.querySelectorAll("td:nth-child(2) code"))
+    .map(code => code.textContent.trim().split(".")[0]) : [];
+  const prose = article.cloneNode(true);
+  prose.querySelectorAll("div.cell, pre, div.admonition.dropdown, script, style")
+    .forEach(e => e.remove());
+  Array.from(prose.querySelectorAll("div.admonition"))
+    .filter(a => /Exercises: the chapter/.test(a.textContent)).forEach(a => a.remove());
+  const proseText = prose.textContent;
+  const untaught = [...new Set(parts)].filter(part => !proseText.includes(part));
   const visible = article.cloneNode(true);
   visible.querySelectorAll("pre, code, script, style, textarea, mjx-assistive-mml")
     .forEach(e => e.remove());
@@ -336,9 +386,38 @@ async () => {
     links: Array.from(document.querySelectorAll("a[href]")).map(a => a.href),
     wide: wide,
     collapsedSpaces: collapsedSpaces,
+    splitPrintouts: splitPrintouts,
+    figures: figures,
+    untaught: untaught,
   };
 }
 """
+PHONE_TEXT_PX = 8  # the smallest text a figure may show on a 390 px phone
+PLOT_TEXT_PX = 10 * 100 / 72  # matplotlib's default 10 pt text in a PNG made at 100 dpi
+SVG_FONT = re.compile(r'font-size="(\d+(?:\.\d+)?)"')
+SVG_VIEWBOX = re.compile(r'viewBox="[\d.]+ [\d.]+ ([\d.]+) [\d.]+"')
+
+
+def figure_problem(figure: dict, width: int) -> str | None:
+    """Why an image shown on a page is not a readable, numbered, captioned figure, else None."""
+    src = urlsplit(figure["src"]).path
+    if not figure["number"].strip().startswith("Fig.") or len(figure["caption"].split()) < 5:
+        return f"an image that is not a numbered figure with a caption: {src}"
+    if width >= 960:
+        return None
+    if src.endswith(".png"):
+        shown = PLOT_TEXT_PX * figure["shown"] / figure["natural"]
+        if shown < PHONE_TEXT_PX:
+            return f"a plot whose 10 pt text shows at {shown:.1f} px at {width} px: {src}"
+    if src.endswith(".svg"):
+        drawing = (SITE / unquote(src).lstrip("/")).read_text(encoding="utf-8")
+        smallest = min(float(size) for size in SVG_FONT.findall(drawing))
+        shown = smallest * figure["shown"] / float(SVG_VIEWBOX.search(drawing)[1])
+        if shown < PHONE_TEXT_PX:
+            return f"a drawing whose smallest text shows at {shown:.1f} px at {width} px: {src}"
+    return None
+
+
 RAW_MATH = re.compile(r"\\\(|\\\)|\\\[|\\\]|\$\$")
 
 
@@ -401,6 +480,10 @@ def test_page_in_browser(page, width, server, browser):
         tab.close()
 
     problems += [f"wider than the column at {width} px: {block}" for block in info["wide"]]
+    problems += [f"a printout split over boxes: {text!r}" for text in info["splitPrintouts"]]
+    problems += [why for figure in info["figures"] if (why := figure_problem(figure, width))]
+    if width == 1440:
+        problems += [f"exercise part not named in the text: {part}" for part in info["untaught"]]
     problems += [f"inline code that loses its spaces: {text!r}" for text in info["collapsedSpaces"]]
     title = info["title"].strip()
     if not title or "<no title>" in title:
@@ -423,10 +506,9 @@ def test_page_in_browser(page, width, server, browser):
         problems.append(f"untypeset TeX delimiters in the visible text: {raw}")
     problems += [f"image did not load: {img['src']}" for img in info["images"] if not img["ok"]]
     problems += [why for img in info["images"] if (why := alt_problem(img["src"], img["alt"]))]
-    if page in DRAWN_FIGURES and not any(
-        img["ok"] and img["src"].endswith("/" + DRAWN_FIGURES[page]) for img in info["images"]
-    ):
-        problems.append(f"the drawn figure {DRAWN_FIGURES[page]} is not shown")
+    for drawing in DRAWN_FIGURES.get(page, ()):
+        if not any(img["ok"] and img["src"].endswith("/" + drawing) for img in info["images"]):
+            problems.append(f"the drawn figure {drawing} is not shown")
     problems += [f"request to another host: {url}" for url in external]
     internal = {url for url in info["links"] if url.startswith(server + "/")}
     problems += [why for url in sorted(internal) if (why := _check_link(url[len(server) :]))]

@@ -68,7 +68,7 @@ EXCEPTIONS: dict[tuple[str, str], str] = {
     ("solutions/05_translation.ipynb", "load_parts(globals(), chapter=5)"): (
         "the parts table: '1.1' and so on are exercise numbers, and whose each part is, exact"
     ),
-    ("book/06_gpt2.ipynb", "print(GPT2Config())"): (
+    ("book/06_gpt2.ipynb", "print(textwrap.fill(repr(GPT2Config())"): (
         "the default config's literal fields (1e-05, 0.02), not measured"
     ),
     ("book/06_gpt2.ipynb", "bpe_vocab = by_profile(quick=512, full=2048)"): (

@@ -39,43 +39,41 @@ def run(command: list[str], tmp_path: Path) -> None:
     )
 
 
-@pytest.mark.slow
-@pytest.mark.skipif(
+needs_distributed = pytest.mark.skipif(
     not torch.distributed.is_available(), reason="torch.distributed is not available"
 )
-def test_two_processes_match_one_process(tmp_path):
+
+
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory) -> tuple[Path, list[str]]:
+    """One process trained on a small text: its folder (checkpoint.pt, results.json), and the
+    command's common part for the runs on two processes."""
+    folder = tmp_path_factory.mktemp("ddp")
     rng = random.Random(0)
     text = "\n".join(" ".join(rng.choice(WORDS) for _ in range(8)) for _ in range(400))
-    text_file = tmp_path / "text.txt"
+    text_file = folder / "text.txt"
     text_file.write_text(text)
     common = [str(SCRIPT), "--text-file", str(text_file), "--device", "cpu", *TINY]
+    one = folder / "one"
+    run([sys.executable, *common, "--checkpoint-dir", str(one), "--out", str(one)], folder)
+    return folder, common
 
-    run(
-        [
-            sys.executable,
-            *common,
-            "--checkpoint-dir",
-            str(tmp_path / "one"),
-            "--out",
-            str(tmp_path / "one"),
-        ],
-        tmp_path,
-    )
-    run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc_per_node=2",
-            *common,
-            "--checkpoint-dir",
-            str(tmp_path / "two"),
-            "--out",
-            str(tmp_path / "two"),
-        ],
-        tmp_path,
-    )
+
+TWO_PROCESSES = [
+    sys.executable,
+    "-m",
+    "torch.distributed.run",
+    "--standalone",
+    "--nproc_per_node=2",
+]
+
+
+@pytest.mark.slow
+@needs_distributed
+def test_two_processes_match_one_process(one_process):
+    tmp_path, common = one_process
+    two = str(tmp_path / "two")
+    run([*TWO_PROCESSES, *common, "--checkpoint-dir", two, "--out", two], tmp_path)
 
     one = torch.load(tmp_path / "one" / "checkpoint.pt", weights_only=True)
     two = torch.load(tmp_path / "two" / "checkpoint.pt", weights_only=True)
@@ -94,36 +92,17 @@ def test_two_processes_match_one_process(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(
-    not torch.distributed.is_available(), reason="torch.distributed is not available"
-)
+@needs_distributed
 @pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
-def test_course_wrappers_match_one_process(tmp_path, parallel):
+def test_course_wrappers_match_one_process(one_process, parallel):
     """`--parallel ddp|fsdp`: the losses of one process (atol 1e-5, as above), and the bytes
     each rank sent per step: the formula's gradients (within 1%; DataParallel adds a flag per
     parameter, FSDP pads each parameter to an even size), FSDP's gathers at most the bound."""
-    text_file = tmp_path / "text.txt"
-    rng = random.Random(0)
-    text_file.write_text(
-        "\n".join(" ".join(rng.choice(WORDS) for _ in range(8)) for _ in range(400))
-    )
-    common = [str(SCRIPT), "--text-file", str(text_file), "--device", "cpu", *TINY]
-    run([sys.executable, *common, "--out", str(tmp_path / "one")], tmp_path)
-    distributed = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
-    run(
-        [
-            *distributed,
-            "--nproc_per_node=2",
-            *common,
-            "--parallel",
-            parallel,
-            "--out",
-            str(tmp_path / "two"),
-        ],
-        tmp_path,
-    )
+    tmp_path, common = one_process
+    out = str(tmp_path / parallel)
+    run([*TWO_PROCESSES, *common, "--parallel", parallel, "--out", out], tmp_path)
     one, two = (
-        json.loads((tmp_path / name / "results.json").read_text()) for name in ("one", "two")
+        json.loads((tmp_path / name / "results.json").read_text()) for name in ("one", parallel)
     )
     torch.testing.assert_close(
         torch.tensor(two["history"]["train_loss"]),

@@ -39,3 +39,15 @@ def test_seeding_repeats_random_numbers():
 def test_describe_names_profile_and_device(monkeypatch):
     monkeypatch.setenv("COURSE_PROFILE", "quick")
     assert runtime.describe_run().startswith(f"profile=quick device={runtime.get_device().type}")
+
+
+def test_show_table_prints_markdown_outside_a_notebook(capsys):
+    runtime.show_table(["name", "value"], [["a|b", 1], ["c", 2.5]])
+    assert capsys.readouterr().out.splitlines() == [
+        "| name | value |",
+        "|---|---|",
+        "| a\\|b | 1 |",
+        "| c | 2.5 |",
+    ]
+    with pytest.raises(ValueError, match=r"rows\[0\]: expected 2 cells"):
+        runtime.show_table(["name", "value"], [["only one"]])

@@ -99,11 +99,18 @@ keep(TokenEmbedding)
 # %% [markdown]
 # ## Exercise 5.3: the MLP
 #
-# After attention has moved information between positions, every position is processed on its
-# own by the same two-layer network: widen to `d_mlp` (four times `d_model` in the paper and in
-# GPT-2), apply a nonlinearity, project back to `d_model`. The paper uses ReLU; GPT-2 uses
-# `gelu_new`, a smooth curve close to ReLU (the tanh approximation of GELU).
-# `ACTIVATIONS[self.act_fn]` is the one this MLP was built with. Pass the widened
+# Attention moves information between positions; the MLP (the paper's "position-wise
+# feed-forward network") then processes every position on its own, with the same weights at
+# every position. It widens the vector from `d_model` to `d_mlp` dimensions (four times
+# `d_model` in the paper and in GPT-2), applies a nonlinearity $\phi$ and projects back:
+#
+# $$\text{MLP}(x) = \phi\left(x W_\text{in} + b_\text{in}\right) W_\text{out} + b_\text{out},$$
+#
+# with `W_in` of shape `(d_model, d_mlp)` and `W_out` of shape `(d_mlp, d_model)`. Without
+# $\phi$ the two maps would collapse into one linear map. The paper's $\phi$ is ReLU,
+# $\max(0, x)$; GPT-2's is `gelu_new`, a smooth curve close to ReLU (the tanh approximation of
+# GELU). `ACTIVATIONS[self.act_fn]` is the one this MLP was built with. `x` has shape
+# `(..., d_model)`: any leading dimensions, every position alike. Pass the widened
 # pre-activation through `hook_pre` and the activation's output through `hook_post`.
 
 # %% [exercise] transformer_course.blocks:MLP blank=forward difficulty=2 importance=4 minutes=10

@@ -179,6 +179,12 @@ check_against_huggingface(yours, hf_model, tokens)
 # `top_p`, and forbids the rest (their logits become -inf). The token whose probability carries
 # the total past `top_p` stays, so the most likely token is always kept. Return the kept logits
 # unchanged and in the original vocabulary order.
+#
+# For example, with `top_p=0.85` over 8 tokens: a sure row, whose most likely token has
+# probability 0.90, keeps that token alone; an unsure row with probabilities 0.25, 0.20, 0.15,
+# 0.12, 0.10, 0.08, 0.06 and 0.04 keeps six tokens (the first five add up to 0.82, short of
+# 0.85; the sixth takes the total to 0.90). `top_k=3` would keep three tokens of each. `logits`
+# has shape `(batch, d_vocab)`, and each row keeps its own nucleus.
 
 # %% [exercise] transformer_course.gpt2:top_p_filter difficulty=3 importance=3 minutes=20
 # hint: Sort each row's probabilities (the softmax of the logits) from most to least likely and

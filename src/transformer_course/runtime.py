@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 import random
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import TypeVar
 
@@ -77,3 +77,30 @@ def upcast(t: torch.Tensor) -> torch.Tensor:
     Course: chapter 3.
     """
     return t.to(torch.promote_types(t.dtype, torch.float32))
+
+
+def show_table(header: Sequence[str], rows: Iterable[Sequence[object]]) -> None:
+    """Show `rows` under `header` as a real table in a notebook (Markdown, so a book page renders
+    it as HTML: columns stay aligned at any width). Outside a notebook, print the Markdown.
+
+    Course: chapter 1.
+    """
+    rows = [list(map(str, row)) for row in rows]
+    for i, row in enumerate(rows):
+        if len(row) != len(header):
+            raise ValueError(
+                f"rows[{i}]: expected {len(header)} cells (the header's), got {len(row)}"
+            )
+    escape = lambda cell: cell.replace("|", "\\|")  # noqa: E731
+    lines = ["| " + " | ".join(map(escape, header)) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(map(escape, row)) + " |" for row in rows]
+    markdown = "\n".join(lines)
+    try:
+        from IPython import get_ipython
+        from IPython.display import Markdown, display
+    except ImportError:  # plain Python: no notebook to show it in
+        get_ipython = None
+    if get_ipython is not None and get_ipython() is not None:
+        display(Markdown(markdown))
+    else:
+        print(markdown)

@@ -464,8 +464,8 @@ class _Failed:
 def _guarded(rank: int, worker: Callable, *args: Any) -> Any:
     try:
         return worker(rank, *args)
-    except CheckFailure as failure:
-        return _Failed(f"{failure} (on rank {rank})")
+    except CheckFailure as failure:  # rank 0's is reported first; another rank's says which
+        return _Failed(str(failure) if rank == 0 else f"{failure} (on rank {rank})")
 
 
 def _on_two_ranks(name: str, worker: Callable, *args: Any) -> list[Any]:
