@@ -206,7 +206,7 @@ class SavesPattern(torch.autograd.Function):
     """Right gradients, but the whole pattern kept for the backward."""
 
     @staticmethod
-    def forward(ctx, q, k, v, causal=False):
+    def forward(ctx, q, k, v, causal=False, q_tile=64, k_tile=64):
         scores = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])
         if causal:
             scores = scores.masked_fill(~causal_mask(q.shape[-2], k.shape[-2]), -math.inf)
@@ -220,14 +220,14 @@ class SavesPattern(torch.autograd.Function):
         dv = p.transpose(-2, -1) @ grad_out
         dp = grad_out @ v.transpose(-2, -1)
         ds = p * (dp - (dp * p).sum(-1, keepdim=True)) / math.sqrt(q.shape[-1])
-        return ds @ k, ds.transpose(-2, -1) @ q, dv, None
+        return ds @ k, ds.transpose(-2, -1) @ q, dv, None, None, None
 
 
 class LseOnCtx(flash_attention.FlashAttention):
     """Keeps L as an attribute of ctx instead of saving it."""
 
     @staticmethod
-    def forward(ctx, q, k, v, causal=False):
+    def forward(ctx, q, k, v, causal=False, q_tile=64, k_tile=64):
         out, ctx.lse = flash_attention.flash_attention_forward(q, k, v, causal)
         ctx.save_for_backward(q, k, v, out)
         ctx.causal = causal
@@ -239,7 +239,38 @@ class LseOnCtx(flash_attention.FlashAttention):
         grads = flash_attention.flash_attention_backward(
             q, k, v, out, ctx.lse, grad_out, ctx.causal
         )
-        return *grads, None
+        return *grads, None, None, None
+
+
+class OutOnCtx(flash_attention.FlashAttention):
+    """Keeps the output as an attribute of ctx instead of saving it."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, causal=False, q_tile=64, k_tile=64):
+        ctx.out, lse = flash_attention.flash_attention_forward(q, k, v, causal)
+        ctx.save_for_backward(q, k, v, lse)
+        ctx.causal = causal
+        return ctx.out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k, v, lse = ctx.saved_tensors
+        grads = flash_attention.flash_attention_backward(
+            q, k, v, ctx.out, lse, grad_out, ctx.causal
+        )
+        return *grads, None, None, None
+
+
+class NoTiles(flash_attention.FlashAttention):
+    """Takes no tile sizes, and returns four gradients."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, causal=False):
+        return flash_attention.FlashAttention.forward(ctx, q, k, v, causal)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        return flash_attention.FlashAttention.backward(ctx, grad_out)[:4]
 
 
 class TooFewGradients(flash_attention.FlashAttention):
@@ -252,6 +283,18 @@ def test_flash_attention_function_mistakes_are_named():
     fails(check_flash_attention_function, SavesPattern, "size of the pattern")
     fails(check_flash_attention_function, LseOnCtx, "exactly one saved tensor", "attribute of ctx")
     fails(check_flash_attention_function, TooFewGradients, "None for causal")
+    fails(check_flash_attention_function, OutOnCtx, "q and the output saved")
+    fails(check_flash_attention_function, NoTiles, "the tile sizes follow causal")
+
+
+def test_a_backward_that_returns_float32_for_half_inputs_is_named():
+    def in_float32(q, k, v, out, lse, grad_out, causal=False, **tiles):
+        dq, dk, dv = flash_attention.flash_attention_backward(
+            q, k, v, out, lse, grad_out, causal, **tiles
+        )
+        return dq.float(), dk.float(), dv.float()
+
+    fails(check_flash_attention_backward, in_float32, "not float16", "input's dtype")
 
 
 # ---- buckets ---------------------------------------------------------------------------------
@@ -276,13 +319,13 @@ def test_make_buckets_alternative_passes():
 
 
 def test_make_buckets_mistakes_are_named():
-    def variant(mib=2**20, element_bytes=True, by_dtype=True):
+    def variant(mib=2**20, element=lambda p: p.element_size(), by_dtype=True):
         def make_buckets(params, bucket_size_mb):
             if bucket_size_mb is None:
                 return [[p] for p in params]
             buckets, used = [], 0
             for p in params:
-                nbytes = p.numel() * (p.element_size() if element_bytes else 1)
+                nbytes = p.numel() * element(p)
                 new_dtype = by_dtype and buckets and buckets[-1][0].dtype != p.dtype
                 if not buckets or used + nbytes > bucket_size_mb * mib or new_dtype:
                     buckets.append([])
@@ -294,8 +337,24 @@ def test_make_buckets_mistakes_are_named():
         return make_buckets
 
     fails(check_make_buckets, variant(mib=10**6), "2**20")
-    fails(check_make_buckets, variant(element_bytes=False), "element_size")
+    fails(check_make_buckets, variant(element=lambda p: 1), "element_size")
+    fails(check_make_buckets, variant(element=lambda p: 4), "float64 element takes 8 bytes")
     fails(check_make_buckets, variant(by_dtype=False), "dtype")
+
+    def strict(params, bucket_size_mb):  # a bucket exactly full starts a new one
+        if bucket_size_mb is None:
+            return [[p] for p in params]
+        buckets, used = [], 0
+        for p in params:
+            new_dtype = buckets and buckets[-1][0].dtype != p.dtype
+            if not buckets or used + p.nbytes >= bucket_size_mb * 2**20 or new_dtype:
+                buckets.append([])
+                used = 0
+            buckets[-1].append(p)
+            used += p.nbytes
+        return buckets
+
+    fails(check_make_buckets, strict, "exactly fills")
     fails(check_make_buckets, lambda params, size: [params], "expected buckets")
 
 
@@ -349,13 +408,15 @@ class NoBroadcast(sharded.ShardedOptimizer):
             if j is not None:
                 local = self.optimizer.param_groups[j]
                 local.update({k: v for k, v in group.items() if k != "params"})
-        self.optimizer.step()
+        if self.optimizer is not None:
+            self.optimizer.step()
 
 
 class StaleLearningRate(sharded.ShardedOptimizer):
     @torch.no_grad()
     def step(self, closure=None):
-        self.optimizer.step()
+        if self.optimizer is not None:
+            self.optimizer.step()
         for group in self.param_groups:
             for p in group["params"]:
                 dist.broadcast(p, src=self.owner[p])
@@ -368,7 +429,7 @@ class Hangs(sharded.ShardedOptimizer):
     def step(self, closure=None):
         if self.rank == 0:
             super().step()
-        else:
+        elif self.optimizer is not None:
             self.optimizer.step()
 
 
@@ -406,3 +467,73 @@ class WholeCopies(sharded.FullyShardedDataParallel):
 def test_fsdp_mistakes_are_named():
     fails(check_fsdp, SummedShards, "divide by the world size")
     fails(check_fsdp, WholeCopies, "ceil(numel / world_size)")
+
+
+class SliceKeepsTheWhole(sharded.FullyShardedDataParallel):
+    """Keeps a view of the padded tensor as its slice (no clone)."""
+
+    def _make_shard(self, p):
+        shard_numel = math.ceil(p.numel() / self.world_size)
+        flat = torch.zeros(shard_numel * self.world_size, device=p.device)
+        flat[: p.numel()] = p.detach().flatten()
+        mine = flat[self.rank * shard_numel : (self.rank + 1) * shard_numel]
+        shard = nn.Parameter(mine, requires_grad=p.requires_grad)
+        self._shards[shard] = sharded._Shard(p.shape, p.numel(), shard_numel)
+        return shard
+
+
+class GathersInTheComputeDtype(sharded.FullyShardedDataParallel):
+    def _all_gather(self, shard, dtype=None):
+        return super()._all_gather(shard)
+
+
+@needs_dist
+def test_fsdp_slices_and_full_parameters_are_checked():
+    fails(check_fsdp, SliceKeepsTheWhole, "clone this rank's slice")
+    fails(check_fsdp, GathersInTheComputeDtype, "not float32", "float32 masters")
+
+
+class OnlyTheLearningRate(sharded.ShardedOptimizer):
+    """Copies group["lr"] to this rank's groups, not the other settings."""
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group, j in zip(self.param_groups, self._local_group):
+            if j is not None:
+                self.optimizer.param_groups[j]["lr"] = group["lr"]
+        if self.optimizer is not None:
+            self.optimizer.step()
+        for group in self.param_groups:
+            for p in group["params"]:
+                dist.broadcast(p, src=self.owner[p])
+
+
+class AlwaysSteps(sharded.ShardedOptimizer):
+    """Steps its own optimizer without asking whether this rank owns anything."""
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        self.optimizer.step()
+        for group in self.param_groups:
+            for p in group["params"]:
+                dist.broadcast(p, src=self.owner[p])
+
+
+@needs_dist
+def test_sharded_optimizer_settings_and_ownerless_ranks_are_checked():
+    fails(check_sharded_optimizer, OnlyTheLearningRate, "only the learning rate")
+    fails(check_sharded_optimizer, AlwaysSteps, "owns no parameter")
+
+
+class NeverReset(data_parallel.DataParallel):
+    """Averages right, but leaves the step's state for the next step."""
+
+    def finish_gradient_synchronization(self):
+        has_grad = set(self._has_grad)
+        super().finish_gradient_synchronization()
+        self._has_grad = has_grad
+
+
+@needs_dist
+def test_a_data_parallel_that_never_resets_is_told_so():
+    fails(check_data_parallel, NeverReset, "reset each bucket's ready")

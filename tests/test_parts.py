@@ -113,7 +113,7 @@ def test_whose_parts_names_each_part_of_the_chapters_so_far(tmp_path, capsys):
     assert whose["padding_mask"] == "the course's" and whose["RMSNorm"] == "the course's"
     assert set(whose) == {part.name for part in parts_of() if part.chapter <= 4}
     assert f"2 of {len(whose)} parts are yours" in capsys.readouterr().out
-    del namespace["RMSNorm"]
+    assert "RMSNorm" not in namespace  # chapter 4 is the learner's to write
     assert whose_parts(namespace, chapter=4)["RMSNorm"] == "the course's"  # missing: not yours
 
 
@@ -133,3 +133,18 @@ def test_the_course_modules_never_give_one_name_two_meanings():
                 clashes.append(f"{name}: {seen[name][0]} and {module.__name__}")
             seen[name] = (module.__name__, value)
     assert clashes == []
+
+
+def test_keep_refuses_the_courses_own_part(tmp_path):
+    """A cell that failed to run leaves the course's part in its place: never saved as yours."""
+    (course,) = [part for part in parts.parts_of(8) if part.name == "param_count"]
+    with pytest.raises(ValueError, match="expected your param_count, got the course's"):
+        parts.keep(course.course, folder=tmp_path)
+    assert not list(tmp_path.iterdir())
+
+
+def test_load_parts_leaves_this_chapters_parts_to_the_learner(tmp_path, capsys):
+    namespace: dict = {}
+    parts.load_parts(namespace, chapter=8, folder=tmp_path)
+    assert "param_count" not in namespace and "FullyShardedDataParallel" not in namespace
+    assert "Llama" in namespace and "flop_param_count" in namespace  # earlier parts, tools

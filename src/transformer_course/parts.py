@@ -4,9 +4,10 @@ Each workbook's check cell ends with `keep(part)`: once the check has passed, th
 defines the part is saved to your own file, `my_transformer/chapter_N.py` beside the workbooks
 (or in the folder `$TRANSFORMER_COURSE_PARTS` names). A later workbook starts with
 `load_parts(globals(), chapter=N)`, which puts in the notebook the course's tools (the public
-names of every module, and the private helpers of the modules that hold exercises) and every part
-of the chapters before N: yours, run from your files and checked again with its exercise's
-check, or the course's where yours is missing or fails, and a table says which is which.
+names of every module, and the private helpers of the modules that hold exercises; not the parts
+of chapter N and later, which are the learner's to write) and every part of the chapters before
+N: yours, run from your files and checked again with its exercise's check, or the course's where
+yours is missing or fails, and a table says which is which.
 
 Your parts are run in the notebook's own namespace, in chapter order, so they use one another:
 chapter 6's GPT-2 is built from your block (chapter 5), whose attention (chapter 2) uses your
@@ -126,6 +127,11 @@ def keep(part: Any, *, folder: str | Path | None = None) -> None:
     name = getattr(part, "__name__", None)
     validate.one_of("part", name, by_name)
     known = by_name[name]
+    if part is known.course:
+        raise ValueError(
+            f"part: expected your {name}, got the course's: run the cell where you write it "
+            "(without errors) before its check"
+        )
     path = _folder(folder) / f"chapter_{known.chapter}.py"
     sections = _sections(path.read_text()) if path.exists() else {}
     sections[name] = (known.number, _cell_of(part))
@@ -169,6 +175,9 @@ def load_parts(
         home = module.__name__ in homes
         names = [k for k in vars(module) if not k.startswith("__" if home else "_")]
         namespace.update({k: vars(module)[k] for k in names})
+    for part in parts_of():  # this chapter's parts and later ones are the learner's to write
+        if part.chapter >= chapter:
+            namespace.pop(part.name, None)
     earlier = [part for part in parts_of() if part.chapter < chapter]
     problems: dict[str, str] = {}
     for number in sorted({part.chapter for part in earlier}):

@@ -6,14 +6,15 @@ parallelism, the sharded optimizer and FSDP, each against single-process trainin
 from __future__ import annotations
 
 import math
+import os
+import tempfile
 from collections.abc import Callable
-from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.multiprocessing import ProcessRaisedException
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
@@ -116,8 +117,9 @@ def check_param_count(param_count: Callable) -> None:
         mistakes = {h: n for h, n in _param_count_mistakes(cfg).items() if n != expected}
         problem = f"expected {expected:,} parameters (the model's own count), got {got:,}."
         expect_no_known_mistake(where, got, mistakes, problem=problem)
-        hint = "count each weight matrix, bias, norm gain and embedding table of one block, "
-        hint += "times n_layers, plus the embeddings, the final norm and the unembedding."
+        pieces = "matrix, bias, norm gain and bias" if isinstance(cfg, GPT2Config) else "matrix"
+        hint = f"count each {pieces} of one block, times n_layers, plus what sits outside the "
+        hint += "blocks: the embedding tables, the final norm and the unembedding."
         expect(got == expected, where, problem, hint)
     passed("param_count")
 
@@ -343,6 +345,22 @@ def check_flash_attention_backward(backward: Callable) -> None:
         problem = f"it made a tensor of shape {found}: a whole {n_q} x {n_k} pattern per head."
         hint = "recompute P tile by tile; D = rowsum(dO * O) is one number per query."
         expect(not patterns.found, where, problem, hint)
+    q, k, v = _qkv(20, 20, seed=4)
+    grad_out = randn(*q.shape, seed=5)
+    out, lse = _attention(q, k, v, True)
+    where = "flash_attention_backward(float16 inputs)"
+    half = [t.half() for t in (q, k, v, out)]
+    got = call(where, backward, *half, lse.float(), grad_out.half(), True, **TILES)
+    for name, grad, wanted in zip("qkv", got, _gradients(q, k, v, True, grad_out)):
+        problem = f"d{name} is {describe(grad)}, not float16 like {name}."
+        expect(
+            grad.dtype == torch.float16,
+            where,
+            problem,
+            "return each gradient in its input's dtype.",
+        )
+        hint = "accumulate in float32 (upcast each tile), then cast the gradients back."
+        expect_close(grad.double(), wanted, f"{where}: d{name}", hint, atol=2e-2)
     passed("flash_attention_backward")
 
 
@@ -352,7 +370,7 @@ def check_flash_attention_function(function: type) -> None:
     backward and nothing of the pattern's size."""
     for seed, (label, (n_q, n_k, causal)) in enumerate(SHAPES.items()):
         q, k, v = (t.requires_grad_() for t in _qkv(n_q, n_k, seed=10 * seed + 2))
-        where = f"FlashAttention.apply({label})"
+        where = f"FlashAttention.apply({label}, q_tile=16, k_tile=8)"
         saved: list[tuple[int, ...]] = []
 
         def pack(t: Tensor, saved: list = saved) -> Tensor:
@@ -360,11 +378,12 @@ def check_flash_attention_function(function: type) -> None:
             return t
 
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            out = call(where, function.apply, q, k, v, causal)
+            hint = "forward(ctx, q, k, v, causal, q_tile, k_tile): the tile sizes follow causal."
+            out = call(where, function.apply, q, k, v, causal, *TILES.values(), hint=hint)
         expect(isinstance(out, Tensor), where, f"expected a tensor, got {describe(out)}.")
         grad_out = randn(*q.shape, seed=seed + 5)
         hint = "backward returns one gradient per input of forward: dq, dk, dv, then None for "
-        hint += "causal (and for any other non-tensor input)."
+        hint += "causal, q_tile and k_tile; and passes the tile sizes on to the backward."
         grads = call(f"{where}, backward", torch.autograd.grad, out, (q, k, v), grad_out, hint=hint)
         expected = _attention(q.detach(), k.detach(), v.detach(), causal)[0]
         expect_close(out, expected, where, "call your flash_attention_forward.", atol=1e-10)
@@ -387,6 +406,9 @@ def check_flash_attention_function(function: type) -> None:
         )
         big = [s for s in saved if _pattern_sized(s, n_q, n_k)]
         expect(not big, where, f"it saved {big}, the size of the pattern.", hint)
+        problem = f"expected q and the output saved (two tensors of shape {tuple(q.shape)}); "
+        problem += f"saved {saved}."
+        expect(saved.count(tuple(q.shape)) >= 2, where, problem, hint)
     passed("FlashAttention")
 
 
@@ -411,13 +433,15 @@ def check_make_buckets(make_buckets: Callable) -> None:
     """Buckets of consecutive parameters: sizes in bytes (MiB = 2^20), a parameter that fills
     a bucket exactly stays in it, a larger one alone, a new bucket at each change of dtype."""
     kib = 2**10 / 2**20  # one KiB, in MiB
+    # In bytes: 256 + 768 fill 1 KiB exactly; 400 + 612 fit in 1 KiB but not in 1000 bytes; the
+    # float64 400 + 800 do not fit (at 4 bytes an element they would); a dtype change; 1200 alone.
     sizes = [
         (64, torch.float32),
         (192, torch.float32),
-        (512, torch.float32),
         (100, torch.float32),
+        (153, torch.float32),
         (50, torch.float64),
-        (10, torch.float64),
+        (100, torch.float64),
         (300, torch.float32),
         (5, torch.float32),
     ]
@@ -435,6 +459,9 @@ def check_make_buckets(make_buckets: Callable) -> None:
             "a MiB is 2**20 bytes, not 10**6.": dict(mib=10**6),
             "measure in bytes: numel() * element_size() (a float64 takes 8).": dict(
                 size=lambda p: p.numel()
+            ),
+            "a float64 element takes 8 bytes: numel() * element_size(), not numel() * 4.": dict(
+                size=lambda p: 4 * p.numel()
             ),
             "a bucket is one flat tensor: start a new one where the dtype changes.": dict(
                 dtype=False
@@ -454,35 +481,31 @@ def check_make_buckets(make_buckets: Callable) -> None:
 # ---- two ranks ---------------------------------------------------------------------------
 
 
-@dataclass
-class _Failed:
-    """A rank's check failed: its message."""
-
-    message: str
-
-
-def _guarded(rank: int, worker: Callable, *args: Any) -> Any:
+def _guarded(rank: int, notes: str, worker: Callable, *args: Any) -> Any:
+    """`worker(rank, *args)`; a failed check is written to `notes` and ends this rank at once,
+    so that the other rank's collectives fail now instead of waiting for it until a timeout."""
     try:
         return worker(rank, *args)
     except CheckFailure as failure:  # rank 0's is reported first; another rank's says which
-        return _Failed(str(failure) if rank == 0 else f"{failure} (on rank {rank})")
+        message = str(failure) if rank == 0 else f"{failure} (on rank {rank})"
+        (Path(notes) / f"{rank}.txt").write_text(message)
+        os._exit(1)
 
 
 def _on_two_ranks(name: str, worker: Callable, *args: Any) -> list[Any]:
     """`worker(rank, *args)` on two gloo ranks; a failure, a crash or a hang as a CheckFailure."""
-    try:
-        results = on_ranks(_guarded, worker, *args, timeout=RANKS_TIMEOUT)
-    except TimeoutError:
-        problem = f"the two ranks were still running after {RANKS_TIMEOUT} s: a hang."
-        raise CheckFailure(f"`{name}`: {problem}\nHint: {HANG_HINT}") from None
-    except ProcessRaisedException as exc:
-        last = str(exc).strip().splitlines()[-1]
-        problem = f"a rank crashed: {last}"
-        raise CheckFailure(f"`{name}`: {problem}\nHint: {HANG_HINT}") from None
-    for result in results:
-        if isinstance(result, _Failed):
-            raise CheckFailure(result.message)
-    return results
+    with tempfile.TemporaryDirectory() as notes:
+        try:
+            return on_ranks(_guarded, notes, worker, *args, timeout=RANKS_TIMEOUT)
+        except Exception as exc:  # a rank's failed check, a crash or a hang
+            failed = sorted(Path(notes).glob("*.txt"))
+            if failed:
+                raise CheckFailure(failed[0].read_text()) from None
+            if isinstance(exc, TimeoutError):
+                problem = f"the two ranks were still running after {RANKS_TIMEOUT} s: a hang."
+            else:
+                problem = f"a rank crashed: {str(exc).strip().splitlines()[-1]}"
+            raise CheckFailure(f"`{name}`: {problem}\nHint: {HANG_HINT}") from None
 
 
 DIST_CFG = GPT2Config(d_model=16, n_layers=1, n_heads=2, d_vocab=29, n_ctx=8, tie_embeddings=True)
@@ -572,7 +595,15 @@ def _data_parallel_worker(rank: int, cls: type) -> dict:
 def _train_wrapped(dp: nn.Module, rank: int, finish: Callable) -> dict[str, Tensor]:
     """`_train` through the wrapper (its forward), the state read from the inner module."""
     optimizer = torch.optim.SGD(dp.module.parameters(), lr=LR)
-    _train(dp, rank, finish, optimizer=optimizer)
+    try:
+        _train(dp, rank, finish, optimizer=optimizer)
+    except RuntimeError as error:
+        if "still being averaged" not in str(error):
+            raise
+        problem = "the second step's forward found the first step's state still there."
+        hint = "finish_gradient_synchronization() ends the step: reset each bucket's ready, "
+        hint += "flat and work, self._has_grad and self._next."
+        raise CheckFailure(f"`DataParallel`: {problem}\nHint: {hint}") from None
     return {k: v.detach().clone() for k, v in dp.module.state_dict().items()}
 
 
@@ -656,18 +687,23 @@ def _toy() -> nn.Module:
 def _groups(model: nn.Module) -> list[dict]:
     weights = [p for n, p in model.named_parameters() if n.endswith("weight")]
     biases = [p for n, p in model.named_parameters() if n.endswith("bias")]
-    return [{"params": weights, "weight_decay": 0.1}, {"params": biases, "lr": 0.02}]
+    return [
+        {"params": weights, "weight_decay": 0.1},
+        {"params": biases, "lr": 0.02, "weight_decay": 0.01},
+    ]
 
 
-def _optimize(model: nn.Module, optimizer: Any, schedule: bool = True) -> dict[str, Tensor]:
-    """Three steps on one batch, halving every group's lr after each (a schedule)."""
+def _optimize(model: nn.Module, optimizer: Any, schedule: tuple[str, ...] = ("lr", "weight_decay")):
+    """Three steps on one batch, halving each group's settings in `schedule` after each step
+    (a schedule); the final weights."""
     x, y = torch.randn(8, 6, generator=seeded(4)), torch.randn(8, 3, generator=seeded(5))
     for _ in range(3):
         optimizer.zero_grad()
         F.mse_loss(model(x), y).backward()
         optimizer.step()
         for group in optimizer.param_groups:
-            group["lr"] *= 0.5 if schedule else 1.0
+            for setting in schedule:
+                group[setting] *= 0.5
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
@@ -686,24 +722,41 @@ def _sharded_worker(rank: int, cls: type) -> dict:
         step = optimizer.step
         optimizer.step = lambda step=step, where=where: call(f"{where}.step", step)
         results[label] = _optimize(model, optimizer)
+    lone = nn.Parameter(torch.ones(3))  # one parameter: one of the ranks owns nothing
+    where = "ShardedOptimizer([one parameter], SGD, lr=0.1)"
+    optimizer = call(where, cls, [lone], torch.optim.SGD, lr=0.1)
+    lone.grad = torch.full((3,), 2.0)
+    hint = "a rank that owns no parameter has no optimizer of its own (self.optimizer is None): "
+    hint += "it only takes part in the broadcasts."
+    call(f"{where}.step", optimizer.step, hint=hint)
+    results["lone"] = lone.detach().clone()
     return results
 
 
 def check_sharded_optimizer(cls: type) -> None:
     """On two gloo ranks, the same gradients: after 3 steps (two parameter groups, a schedule
-    that halves the lr) the weights of the unsharded optimizer (1e-6), AdamW and SGD."""
+    that halves the lr and the weight decay) the weights of the unsharded optimizer (1e-6), AdamW
+    and SGD; and a rank that owns no parameter."""
     results = _on_two_ranks("ShardedOptimizer", _sharded_worker, cls)
     for label, (optimizer_cls, kwargs) in OPTIMIZERS.items():
         model = _toy()
         expected = _optimize(model, optimizer_cls(_groups(model), **kwargs))
-        model = _toy()
-        constant = _optimize(model, optimizer_cls(_groups(model), **kwargs), schedule=False)
-        mistakes = {
-            "this rank's optimizer kept the learning rate it started with: copy each group's "
-            "settings (a schedule changes group['lr']) into its own groups before stepping.": (
-                constant
+        mistakes = {}
+        for schedule, hint in (
+            (
+                (),
+                "this rank's optimizer kept the settings it started with: copy each group's "
+                "settings (a schedule changes group['lr'] and group['weight_decay']) into its own "
+                "groups before stepping.",
             ),
-        }
+            (
+                ("lr",),
+                "only the learning rate reached this rank's optimizer: copy every setting "
+                "of each group but 'params' (a schedule may change group['weight_decay'] too).",
+            ),
+        ):
+            model = _toy()
+            mistakes[hint] = _optimize(model, optimizer_cls(_groups(model), **kwargs), schedule)
         for key, value in results[0][label].items():
             same = torch.equal(value, results[1][label][key])
             hint = "after the step, broadcast each parameter from its owner "
@@ -712,6 +765,10 @@ def check_sharded_optimizer(cls: type) -> None:
         for rank in (0, 1):
             where = f"ShardedOptimizer with {label}, rank {rank}"
             _expect_states(where, results[rank][label], expected, mistakes, atol=1e-6)
+    for rank in (0, 1):
+        where = f"ShardedOptimizer over one parameter, rank {rank}"
+        hint = "broadcast each parameter from its owner after the step."
+        expect_close(results[rank]["lone"], torch.full((3,), 0.8), where, hint, atol=1e-6)
     passed("ShardedOptimizer")
 
 
@@ -724,11 +781,14 @@ def _fsdp_worker(rank: int, cls: type) -> dict:
         numels = {n: p.numel() for n, p in model.named_parameters()}
         fsdp = call(where, cls, model, compute_dtype=dtype)
         shards = {n: p.numel() for n, p in fsdp.named_parameters()}
+        stored = {
+            n: p.untyped_storage().nbytes() // p.element_size() for n, p in fsdp.named_parameters()
+        }
         finish = _finisher(where, fsdp)
         optimizer = torch.optim.SGD(fsdp.parameters(), lr=LR)
         _train(fsdp, rank, finish, optimizer=optimizer)
         state = call(f"{where}.gather_full_params", fsdp.gather_full_params)
-        results[dtype] = dict(state=state, numels=numels, shards=shards)
+        results[dtype] = dict(state=state, numels=numels, shards=shards, stored=stored)
     return results
 
 
@@ -752,5 +812,14 @@ def check_fsdp(cls: type) -> None:
             hint = "each rank keeps ceil(numel / world_size) elements: the flat parameter, "
             hint += "padded with zeros to a multiple of the world size, cut in equal slices."
             expect(shard is None or shard == want, where, problem, hint)
+            stored = got["stored"].get(f"module.{name}", want)
+            problem = f"`{name}`'s slice of {want} elements keeps {stored} in memory."
+            hint = "clone this rank's slice: a slice of the padded tensor keeps all of it alive."
+            expect(stored == want, where, problem, hint)
+        wrong = {k: str(t.dtype) for k, t in got["state"].items() if t.dtype != torch.float32}
+        problem = f"gather_full_params() gave {wrong}, not float32."
+        hint = "_all_gather(shard, dtype) gathers in `dtype` when one is given (the compute dtype "
+        hint += "only by default): the full parameters are the float32 masters."
+        expect(not wrong, where, problem, hint)
         _expect_states(where, got["state"], expected, mistakes, atol=atol)
     passed("FullyShardedDataParallel")
