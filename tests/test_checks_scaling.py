@@ -487,10 +487,18 @@ class GathersInTheComputeDtype(sharded.FullyShardedDataParallel):
         return super()._all_gather(shard)
 
 
+class GathersInFloat32(sharded.FullyShardedDataParallel):
+    """Gathers the float32 slices, then casts the whole to the compute dtype."""
+
+    def _all_gather(self, shard, dtype=None):
+        return super()._all_gather(shard, torch.float32).to(dtype or self.compute_dtype)
+
+
 @needs_dist
 def test_fsdp_slices_and_full_parameters_are_checked():
     fails(check_fsdp, SliceKeepsTheWhole, "clone this rank's slice")
     fails(check_fsdp, GathersInTheComputeDtype, "not float32", "float32 masters")
+    fails(check_fsdp, GathersInFloat32, "moves half the bytes")
 
 
 class OnlyTheLearningRate(sharded.ShardedOptimizer):

@@ -33,7 +33,7 @@ from transformer_course.checks.harness import (
 from transformer_course.gpt2 import GPT2, GPT2Config, lm_loss
 from transformer_course.llama import LlamaConfig
 from transformer_course.masking import causal_mask
-from transformer_course.ranks import on_ranks
+from transformer_course.ranks import CollectiveBytes, on_ranks
 
 CONFIGS = {  # heads of a size other than d_model // n_heads, odd vocabularies, tied or not
     "GPT-2": GPT2Config(
@@ -786,9 +786,13 @@ def _fsdp_worker(rank: int, cls: type) -> dict:
         }
         finish = _finisher(where, fsdp)
         optimizer = torch.optim.SGD(fsdp.parameters(), lr=LR)
-        _train(fsdp, rank, finish, optimizer=optimizer)
+        with CollectiveBytes() as sent:
+            _train(fsdp, rank, finish, optimizer=optimizer)
         state = call(f"{where}.gather_full_params", fsdp.gather_full_params)
-        results[dtype] = dict(state=state, numels=numels, shards=shards, stored=stored)
+        gathered = sent.bytes.get("all_gather", 0)
+        results[dtype] = dict(
+            state=state, numels=numels, shards=shards, stored=stored, gathered=gathered
+        )
     return results
 
 
@@ -822,4 +826,11 @@ def check_fsdp(cls: type) -> None:
         hint += "only by default): the full parameters are the float32 masters."
         expect(not wrong, where, problem, hint)
         _expect_states(where, got["state"], expected, mistakes, atol=atol)
+    half, full = results[0][torch.float16]["gathered"], results[0][None]["gathered"]
+    problem = f"computing in float16 it gathered {half:,} bytes, against {full:,} in float32."
+    hint = "cast this rank's slice to the compute dtype before all_gather_single: a float16 "
+    hint += "step then moves half the bytes of a float32 one."
+    expect(
+        half <= 0.6 * full, "FullyShardedDataParallel(compute_dtype=torch.float16)", problem, hint
+    )
     passed("FullyShardedDataParallel")
