@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from transformer_course.checks.scaling import Branchy
 from transformer_course.data_parallel import (
     DataParallel,
     check_same_parameters,
@@ -65,23 +66,6 @@ def train(model: nn.Module, rank: int | None = None, finish=None) -> dict[str, t
         optimizer.step()
     inner = getattr(model, "module", model)
     return {k: v.detach().clone() for k, v in inner.state_dict().items()}
-
-
-class Branchy(nn.Module):
-    """A toy model with a shared matrix (used twice), a frozen one, one never used and one that
-    only the ranks that ask for it use."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.shared = nn.Parameter(torch.randn(4, 4))
-        self.frozen = nn.Parameter(torch.randn(4, 4), requires_grad=False)
-        self.unused = nn.Parameter(torch.randn(4))
-        self.sometimes = nn.Parameter(torch.randn(4, 4))
-        self.bias = nn.Parameter(torch.randn(4))
-
-    def forward(self, x: torch.Tensor, use_sometimes: bool) -> torch.Tensor:
-        h = torch.tanh(x @ self.shared @ self.frozen) @ self.shared + self.bias
-        return h @ self.sometimes if use_sometimes else h
 
 
 def branchy_grads(bucket_size_mb, rank: int) -> dict[str, torch.Tensor | None]:

@@ -17,7 +17,7 @@ import os
 import socket
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -136,18 +136,14 @@ class CollectiveBytes:
     def total(self) -> int:
         return sum(self.bytes.values())
 
-    def paused(self) -> contextlib.AbstractContextManager:
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
         """A `with` block in which nothing is counted."""
-
-        @contextlib.contextmanager
-        def pause():
-            self._counting = False
-            try:
-                yield
-            finally:
-                self._counting = True
-
-        return pause()
+        self._counting = False
+        try:
+            yield
+        finally:
+            self._counting = True
 
     def __enter__(self) -> CollectiveBytes:
         for name in PAYLOAD:

@@ -219,8 +219,9 @@ def make_optimizer(
     Course: chapter 6.
     """
     params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    decay = [p for n, p in params if (n in decays if decays is not None else _decays(n, p))]
-    no_decay = [p for n, p in params if all(p is not d for d in decay)]
+    decides = _decays if decays is None else lambda n, p: n in decays
+    decay = [p for n, p in params if decides(n, p)]
+    no_decay = [p for n, p in params if not decides(n, p)]
     groups = [
         {"params": decay, "weight_decay": cfg.weight_decay},
         {"params": no_decay, "weight_decay": 0.0},

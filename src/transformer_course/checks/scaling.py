@@ -181,8 +181,11 @@ def _qkv(n_queries: int, n_keys: int, seed: int, dtype=torch.float64) -> list[Te
     return [q, *(randn(2, 3, n_keys, 8, seed=seed + i, dtype=dtype) for i in (1, 2))]
 
 
-def _masked_scores(q, k, causal: bool) -> Tensor:
-    scores = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])
+def _masked_scores(q, k, causal: bool, scale: float | None = None) -> Tensor:
+    """The scores `q k^T` times `scale` (default 1/sqrt(d)), -inf where a causal query may not
+    look."""
+    scale = 1 / math.sqrt(q.shape[-1]) if scale is None else scale
+    scores = q @ k.transpose(-2, -1) * scale
     if causal:
         scores = scores.masked_fill(~causal_mask(q.shape[-2], k.shape[-2]), -math.inf)
     return scores
@@ -190,9 +193,7 @@ def _masked_scores(q, k, causal: bool) -> Tensor:
 
 def _attention(q, k, v, causal: bool, scale: float | None = None) -> tuple[Tensor, Tensor]:
     """Plain attention, the reference: the output and each query's log-sum-exp."""
-    scores = _masked_scores(q, k, causal) * (
-        1.0 if scale is None else scale * math.sqrt(q.shape[-1])
-    )
+    scores = _masked_scores(q, k, causal, scale)
     return torch.softmax(scores, dim=-1) @ v, torch.logsumexp(scores, dim=-1)
 
 
@@ -545,7 +546,7 @@ def _train(
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-class _Branchy(nn.Module):
+class Branchy(nn.Module):
     """A matrix used twice, a frozen one, one never used, one used only where asked."""
 
     def __init__(self) -> None:
@@ -586,7 +587,7 @@ def _data_parallel_worker(rank: int, cls: type) -> dict:
         finish = _finisher(where, dp)
         results[bucket_size_mb] = _train_wrapped(dp, rank, finish)
         torch.manual_seed(rank)
-        branchy = call(where, cls, _Branchy(), bucket_size_mb=bucket_size_mb)
+        branchy = call(where, cls, Branchy(), bucket_size_mb=bucket_size_mb)
         finish = _finisher(where, branchy)
         results[f"branchy {bucket_size_mb}"] = _branchy_grads(branchy, rank, finish)
     return results
@@ -643,7 +644,7 @@ def check_data_parallel(cls: type) -> None:
     own = []  # each rank's own gradients, from rank 0's weights
     for rank in (0, 1):
         torch.manual_seed(0)
-        own.append(_branchy_grads(_Branchy(), rank, None))
+        own.append(_branchy_grads(Branchy(), rank, None))
     for bucket_size_mb in (None, 0.002):
         where = f"DataParallel(bucket_size_mb={bucket_size_mb}), a model with a shared matrix"
         got = results[0][f"branchy {bucket_size_mb}"]
