@@ -2,13 +2,13 @@
 
 For each batch size the full profile's model trains for `--steps` timed steps (after a warm-up)
 with the course's loop, then `--profile-steps` more under `torch.profiler`, which gives the
-share of the wall time the GPU spent running kernels ("busy") and the operators that cost the
-most host and device time.
+share of the wall time the GPU spent running kernels ("busy"), the kernels each step launches
+and the operators that cost the most host and device time. `--compile` then times the same
+model with its blocks compiled, as the full profile trains (`training.compiled_blocks`),
+and prints its speed against eager's; its warm-up includes the compilation.
 
     python benchmarks/translation.py                          # the full profile's setup
-    python benchmarks/translation.py --batch-sizes 256 1024 --compile default
-
-`--compile` compiles the model with dynamic shapes (the buckets give a few lengths each side).
+    python benchmarks/translation.py --batch-sizes 256 1024 --compile
 
 `curve` trains one setup, the profile's with any of `--batch-size`, `--lr`, `--warmup` and
 `--dropout` changed, and prints validation BLEU (greedy, all references) against training time,
@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import os
 import time
+from contextlib import nullcontext
 from dataclasses import replace
 
 import torch
@@ -34,7 +35,7 @@ from transformer_course.attention import set_fast_path
 from transformer_course.encoder_decoder import EncoderDecoderTransformer
 from transformer_course.runtime import get_device
 from transformer_course.tokenization import BPETokenizer
-from transformer_course.training import TrainConfig, train
+from transformer_course.training import TrainConfig, compiled_blocks, train
 from transformer_course.translation import (
     ATTENTION_BACKENDS,
     SETUPS,
@@ -60,12 +61,13 @@ def tokenizer_for(setup) -> BPETokenizer:
     return tokenizer
 
 
-def build(setup, tokenizer, device, compile_mode):
+def build(setup, tokenizer, device):
     torch.manual_seed(0)
-    model = set_fast_path(EncoderDecoderTransformer(model_config(setup, tokenizer)).to(device))
-    if compile_mode:
-        model.compile(dynamic=True, mode=None if compile_mode == "default" else compile_mode)
-    return model
+    return set_fast_path(EncoderDecoderTransformer(model_config(setup, tokenizer)).to(device))
+
+
+def blocks_of(model: EncoderDecoderTransformer) -> list[torch.nn.Module]:
+    return [*model.encoder, *model.decoder]
 
 
 def steps(model, batches, setup, n, *, evaluate=None, eval_every=0):
@@ -112,41 +114,54 @@ def speed(args) -> None:
         batches = LengthBatches(
             tokenizer, pairs, batch_size, device=device, buckets=setup.length_buckets
         )
-        model = build(setup, tokenizer, device, args.compile)
+        rates = {}
+        for mode in ("eager", "compiled") if args.compile else ("eager",):
+            model = build(setup, tokenizer, device)
+            compiling = compiled_blocks(blocks_of(model)) if mode == "compiled" else nullcontext()
+            with compiling:
+                rates[mode] = time_steps(args, model, batches, setup, mode)
+        if args.compile:
+            print(f"  compiled: {rates['compiled'] / rates['eager']:.2f}x eager's steps/s")
+
+
+def time_steps(args, model, batches, setup, mode) -> float:
+    """Warm up, time and profile `model`'s steps; returns its steps per second."""
+    device = next(model.parameters()).device
+    started = time.perf_counter()
+    steps(model, batches, setup, args.warmup)
+    sync(device)
+    warm = time.perf_counter() - started
+    started = time.perf_counter()
+    history = steps(model, batches, setup, args.steps)
+    sync(device)
+    rate = args.steps / (time.perf_counter() - started)
+    tokens = sum(int((batches(s)[2] != batches.pad).sum()) for s in range(args.steps))
+    print(
+        f"batch {setup.batch_size:5d} {mode}: warm-up {warm:.0f}s, {rate:.2f} steps/s, "
+        f"{tokens * rate / args.steps:,.0f} target tokens/s, "
+        f"last loss {history.train_loss[-1]:.3f}, "
+        f"{batches.distinct_shapes()} shapes/epoch of {len(batches)} batches",
+        flush=True,
+    )
+    if device.type != "cuda" or not args.profile_steps:
+        return rate
+    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=activities) as prof:
         started = time.perf_counter()
-        steps(model, batches, setup, args.warmup)
+        steps(model, batches, setup, args.profile_steps)
         sync(device)
-        warm = time.perf_counter() - started
-        started = time.perf_counter()
-        history = steps(model, batches, setup, args.steps)
-        sync(device)
-        seconds = time.perf_counter() - started
-        tokens = sum(int((batches(s)[2] != batches.pad).sum()) for s in range(args.steps))
-        print(
-            f"batch {batch_size:5d} compile={args.compile}: warm-up {warm:.0f}s, "
-            f"{args.steps / seconds:.2f} steps/s, {tokens / seconds:,.0f} target tokens/s, "
-            f"last loss {history.train_loss[-1]:.3f}, "
-            f"{batches.distinct_shapes()} shapes/epoch of {len(batches)} batches",
-            flush=True,
-        )
-        if device.type != "cuda" or not args.profile_steps:
-            continue
-        activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
-        with torch.profiler.profile(activities=activities) as prof:
-            started = time.perf_counter()
-            steps(model, batches, setup, args.profile_steps)
-            sync(device)
-            wall = time.perf_counter() - started
-        kernels = sum(
-            e.self_device_time_total
-            for e in prof.key_averages()
-            if e.device_type == torch.autograd.DeviceType.CPU
-        )
-        busy = kernels / 1e6 / wall
-        print(f"  profiled {args.profile_steps} steps: wall {wall:.2f}s, GPU busy {busy:.0%}")
-        table = prof.key_averages()
-        print(table.table(sort_by="self_cpu_time_total", row_limit=12), flush=True)
-        print(table.table(sort_by="self_device_time_total", row_limit=12), flush=True)
+        wall = time.perf_counter() - started
+    table = prof.key_averages()
+    on_cpu = [e for e in table if e.device_type == torch.autograd.DeviceType.CPU]
+    busy = sum(e.self_device_time_total for e in on_cpu) / 1e6 / wall
+    kernels = sum(e.device_type == torch.autograd.DeviceType.CUDA for e in prof.events())
+    print(
+        f"  profiled {args.profile_steps} steps: wall {wall:.2f}s, GPU busy {busy:.0%}, "
+        f"{kernels / args.profile_steps:,.0f} kernels a step"
+    )
+    print(table.table(sort_by="self_cpu_time_total", row_limit=12), flush=True)
+    print(table.table(sort_by="self_device_time_total", row_limit=12), flush=True)
+    return rate
 
 
 def curve(args) -> None:
@@ -161,10 +176,11 @@ def curve(args) -> None:
         tokenizer, splits["train"], setup.batch_size, device=device, buckets=setup.length_buckets
     )
     valid = splits["valid"][: args.valid_pairs]
-    model = build(setup, tokenizer, device, args.compile)
+    model = build(setup, tokenizer, device)
     print(f"curve {setup}", flush=True)
     started, evaluating_s = time.perf_counter(), 0.0
 
+    @torch.compiler.set_stance("force_eager")  # decoding's shapes would each compile anew
     def evaluate(model) -> dict[str, float]:
         """Greedy BLEU on the validation pairs; its time is not counted as training."""
         nonlocal evaluating_s
@@ -177,7 +193,8 @@ def curve(args) -> None:
         print(f"train {training_s:6.0f}s | valid BLEU {bleu:.1f}", flush=True)
         return {"valid_bleu": bleu}
 
-    steps(model, batches, setup, args.max_steps, evaluate=evaluate, eval_every=args.eval_every)
+    with compiled_blocks(blocks_of(model)) if args.compile else nullcontext():
+        steps(model, batches, setup, args.max_steps, evaluate=evaluate, eval_every=args.eval_every)
 
 
 def main() -> None:
@@ -187,7 +204,9 @@ def main() -> None:
     parser.add_argument(
         "--max-words", type=int, help="override the profile's longest sentence, in words"
     )
-    parser.add_argument("--compile", choices=("default", "reduce-overhead", "max-autotune"))
+    parser.add_argument(
+        "--compile", action="store_true", help="also time (curve: train) with compiled blocks"
+    )
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[256])
     parser.add_argument("--warmup", type=int, default=30)
     parser.add_argument("--steps", type=int, default=150)

@@ -8,20 +8,24 @@
 #              Face's (<= 0.9x its step time, MFU >= 40%)
 #   cuda       tests/test_cuda.py: every component on CUDA within its stated tolerance (the Triton
 #              FlashAttention kernel included), then the kernel timed against SDPA's flash backend
-#   pages      book pages 05 and 06 side by side (each <= 10 minutes)
+#   pages      book pages 05 and 06 side by side (each <= 5 minutes)
 #   notebooks  every other notebook, several at a time
 #   translate  chapter 5's full training run (test BLEU >= 40), then its step benchmark
+#   first      the first of the two calls that check everything: timed, then pages (<= 8 min)
+#   second     the second: cuda and notebooks side by side (<= 4 min)
 #
-# Stages run one after another; STAGE+STAGE runs them side by side (`timed cuda+pages`). Each
-# command's output goes to $OUT/NAME.log (OUT defaults to gpu-logs) and a line with its exit
-# status and seconds to $OUT/summary.txt: ten files at most. A failing command is reported and
-# the next one runs. On an offline machine, make the pack first (../shared/gpu/pack.sh --book):
-# .gpu/env.sh, when present, is sourced. The profile is `full` unless COURSE_PROFILE says otherwise.
+# Stages run one after another; STAGE+STAGE runs them side by side (`cuda+notebooks`). Each
+# command has a time limit (its stage's share of the call) and writes its output to $OUT/NAME.log
+# (OUT defaults to gpu-logs); $OUT/summary.txt gets the machine, then a line per command with its
+# exit status (124: over its limit) and seconds, and each notebook's time (its cells' sum). A
+# failing command is reported and the next one runs. On an offline machine, make the pack first
+# (../shared/gpu/pack.sh): .gpu/env.sh, when present, is sourced. The profile is `full` unless
+# COURSE_PROFILE says otherwise.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 dry=0
 [ "${1:-}" = --dry-run ] && { dry=1; shift; }
-[ $# -gt 0 ] || { sed -n '2,18p' "$0"; exit 2; }
+[ $# -gt 0 ] || { sed -n '2,23p' "$0"; exit 2; }
 [ -f .gpu/env.sh ] && [ $dry = 0 ] && . .gpu/env.sh
 export COURSE_PROFILE=${COURSE_PROFILE:-full} HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
 out=${OUT:-gpu-logs}
@@ -29,51 +33,63 @@ out=${OUT:-gpu-logs}
 # is an assert in its cell, so it still runs, with the `full` bounds (book/maintainers.md).
 nbval=(python3 -m pytest -p no:cacheprovider --nbval-lax --nbval-current-env --durations=0)
 
-run() {  # run NAME COMMAND...: the command's output to $out/NAME.log, its status to summary.txt
-  local name=$1 start=$SECONDS status
-  shift
-  echo "::: $name: $*"
+run() {  # run NAME SECONDS COMMAND...: the command, stopped after SECONDS, logged to $out/NAME.log
+  local name=$1 limit=$2 start=$SECONDS status
+  shift 2
+  echo "::: $name (<= $limit s): $*"
   [ $dry = 1 ] && return 0
-  "$@" >"$out/$name.log" 2>&1
+  timeout -k 15 "$limit" "$@" >"$out/$name.log" 2>&1
   status=$?
-  printf '%-10s exit %-3s %5s s  %s\n' "$name" "$status" "$((SECONDS - start))" "$*" |
-    tee -a "$out/summary.txt"
+  printf '%-10s exit %-3s %5s s  %s\n' "$name" "$status" "$((SECONDS - start))" "$*" >>"$out/summary.txt"
+  # --durations=0 lines, "12.34s call book/05_translation.ipynb::Cell 7": each notebook's cells
+  awk '$2 == "call" && $3 ~ /ipynb::/ { split($3, at, "::"); t[at[1]] += $1 }
+       END { for (f in t) printf "    %-40s %5.0f s\n", f, t[f] }' "$out/$name.log" |
+    sort >>"$out/summary.txt"
 }
 
 stage() {  # stage NAME: run one stage's commands
   case $1 in
     timed)
-      run char python3 scripts/train_gpt2.py --profile full --compile
-      run step python3 benchmarks/gpt2.py --size small --compile ;;
+      run char 110 python3 scripts/train_gpt2.py --profile full --compile
+      run step 70 python3 benchmarks/gpt2.py --size small --compile --profile-steps 2 ;;
     cuda)
-      run cuda python3 -m pytest -p no:cacheprovider tests/test_cuda.py -n 4 -rs --durations=10
-      run flash python3 benchmarks/flash_attention.py ;;
+      run cuda 150 python3 -m pytest -p no:cacheprovider tests/test_cuda.py -n 4 -rs --durations=10
+      run flash 60 python3 benchmarks/flash_attention.py ;;
     pages)
-      run page05 "${nbval[@]}" -p no:xdist book/05_translation.ipynb &
-      run page06 "${nbval[@]}" -p no:xdist book/06_gpt2.ipynb &
+      run page05 300 "${nbval[@]}" -p no:xdist book/05_translation.ipynb &
+      run page06 300 "${nbval[@]}" -p no:xdist book/06_gpt2.ipynb &
       wait ;;
     notebooks)
       # shellcheck disable=SC2046
-      run notebooks "${nbval[@]}" -n 6 $(ls book/0[!56]*.ipynb exercises/*.ipynb solutions/*.ipynb) ;;
+      run notebooks 230 "${nbval[@]}" -n 6 $(ls book/0[!56]*.ipynb exercises/*.ipynb solutions/*.ipynb) ;;
     translate)
-      run translate python3 -m transformer_course.translation --profile full
-      run t-bench python3 benchmarks/translation.py --batch-sizes 256 1024 ;;
+      run translate 600 python3 -m transformer_course.translation --profile full
+      run t-bench 300 python3 benchmarks/translation.py --batch-sizes 256 1024 --compile ;;
   esac
 }
 
+set -- $(printf '%s\n' "$@" | sed 's/^first$/timed pages/; s/^second$/cuda+notebooks/')
 for group in "$@"; do  # check every name first, so a typo costs no GPU time
   for name in ${group//+/ }; do
     case $name in
       timed | cuda | pages | notebooks | translate) ;;
-      *) echo "gpu_check.sh: unknown stage '$name' (timed cuda pages notebooks translate)" >&2
+      *) echo "gpu_check.sh: unknown stage '$name' (timed cuda pages notebooks translate," \
+           "or the calls first and second)" >&2
          exit 2 ;;
     esac
   done
 done
-[ $dry = 1 ] || mkdir -p "$out"
+if [ $dry = 0 ]; then
+  mkdir -p "$out"
+  { date -u '+%F %T UTC'
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>&1
+    python3 -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda)'
+    echo "profile $COURSE_PROFILE; stages: $*"; } >>"$out/summary.txt"
+fi
 for group in "$@"; do
   for name in ${group//+/ }; do
     stage "$name" &
   done
   wait
 done
+[ $dry = 1 ] || cat "$out/summary.txt"

@@ -3,6 +3,7 @@ BLEU and caching."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import replace
 
 import pytest
@@ -14,7 +15,7 @@ from transformer_course import translation
 from transformer_course.decoding import BOS, EOS, PAD, UNK, pad_batch, translate
 from transformer_course.encoder_decoder import EncoderDecoderTransformer, Seq2SeqConfig
 from transformer_course.tokenization import BPETokenizer
-from transformer_course.training import History, save_checkpoint
+from transformer_course.training import History, compiled_blocks, save_checkpoint
 from transformer_course.translation import (
     N_TEST,
     N_VALID,
@@ -178,6 +179,45 @@ def test_buckets_pad_to_a_few_lengths_without_changing_the_loss():
         LengthBatches(tokenizer, TOY, 3, buckets=(8, 4))
     with pytest.raises(ValueError, match="buckets: the largest, 2, is shorter than a batch's"):
         LengthBatches(tokenizer, TOY, 3, buckets=(1, 2))(0)
+
+
+def test_compiled_blocks_need_one_graph_per_kind_of_block_and_are_eager_after():
+    """The full profile's regional compilation: the same losses and gradients as eager, no graph
+    break, and a few graphs for any number of layers and lengths."""
+    graphs = []
+
+    def backend(graph: torch.fx.GraphModule, example_inputs) -> Callable:
+        graphs.append(graph)
+        return graph.forward  # run as traced: this test checks the graphs, not the kernels
+
+    torch.manual_seed(0)
+    cfg = Seq2SeqConfig(
+        src_vocab=50, tgt_vocab=50, d_model=16, n_heads=2, n_layers=3, d_mlp=32, dropout=0.0,
+        max_len=32, pad_id=0,
+    )  # fmt: skip
+    model = EncoderDecoderTransformer(cfg)
+    eager = EncoderDecoderTransformer(cfg)
+    eager.load_state_dict(model.state_dict())
+    generator = torch.Generator().manual_seed(0)
+    torch._dynamo.reset()
+    blocks = [*model.encoder, *model.decoder]
+    with compiled_blocks(blocks, backend=backend, fullgraph=True):
+        for src_len, tgt_len in ((5, 7), (9, 4), (12, 12), (3, 6), (16, 9)):
+            src = torch.randint(1, 50, (4, src_len), generator=generator)
+            tgt = torch.randint(1, 50, (4, tgt_len + 1), generator=generator)
+            src[0, -2:], tgt[1, -3:] = 0, 0  # padding in both
+            batch = (src, tgt[:, :-1], tgt[:, 1:])
+            losses = [seq2seq_loss(m, batch) for m in (model, eager)]
+            for loss in losses:
+                loss.backward()
+            torch.testing.assert_close(losses[0], losses[1], atol=1e-6, rtol=0)
+            for p, q in zip(model.parameters(), eager.parameters()):
+                torch.testing.assert_close(p.grad, q.grad, atol=1e-6, rtol=0)
+                p.grad = q.grad = None
+    torch._dynamo.reset()
+    # an encoder block, a decoder block, and one more where both sides had one length
+    assert 2 <= len(graphs) <= 3, f"{len(graphs)} graphs"
+    assert not any("forward" in vars(block) for block in blocks)
 
 
 @pytest.mark.parametrize(

@@ -30,7 +30,8 @@ import pickle
 import random
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field, fields, is_dataclass
 from pathlib import Path
 from typing import Any
@@ -605,6 +606,29 @@ class _TrainingRun:
             self.collect()
             self.save(self.checkpoint_path, done)
             self.saved_step = done
+
+
+@contextmanager
+def compiled_blocks(blocks: Iterable[nn.Module], **options: Any) -> Iterator[None]:
+    """Run `blocks` compiled (by `torch.compile`, with `options`) inside the `with` body, and
+    eagerly again after it: for training on a GPU.
+
+    Regional compilation: the blocks of one class share one compiled graph, so compiling costs
+    the same for 6 layers as for 1, and each block's hundreds of small kernels (layer norms,
+    dropouts, biases, residual sums) become a few fused ones. Lengths are dynamic, so batches of
+    new lengths need no new graphs. Outside the body nothing is compiled: decoding with a cache,
+    or sampling one token at a time, would compile a graph for each new length.
+
+    Course: chapter 5.
+    """
+    blocks = list(blocks)
+    for block in blocks:  # an instance attribute hides the class's forward
+        block.forward = torch.compile(block.forward, dynamic=True, **options)
+    try:
+        yield
+    finally:
+        for block in blocks:
+            del block.forward
 
 
 def train(

@@ -22,6 +22,9 @@ On a GPU every new batch shape costs kernel selection and attention plans (cuDNN
 2-3 s), so the full profile pads each batch's lengths up to a few fixed `length_buckets`: the
 shapes repeat, and a handful of plans serve the whole run. The quick profile (CPU) pads each
 batch only to its longest sentence: there, padding costs compute and plans cost nothing.
+
+Eager, a full-profile step launches about 2,600 small kernels and leaves the GPU mostly idle,
+so the full profile also trains with its blocks compiled (`training.compiled_blocks`).
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ import time
 from bisect import bisect_left
 from collections import defaultdict
 from collections.abc import Callable, Sequence
+from contextlib import nullcontext
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
@@ -68,6 +72,7 @@ from transformer_course.training import (
     CHECKPOINT_NAME,
     History,
     TrainConfig,
+    compiled_blocks,
     read_checkpoint,
     train,
 )
@@ -104,6 +109,7 @@ class TranslationSetup:
     eval_every: int = 200
     seed: int = 0
     length_buckets: tuple[int, ...] = ()  # pad lengths up to these (empty: to each batch's longest)
+    compile: bool = False  # train with the blocks compiled (for a GPU: a CPU compiles C++ slowly)
 
 
 SETUPS = {
@@ -137,6 +143,7 @@ SETUPS = {
         warmup_steps=800,
         eval_every=500,
         length_buckets=(8, 12, 16, 24, 32, 48, 64, 136),
+        compile=True,
     ),
 }
 
@@ -427,6 +434,7 @@ def run_dir(setup: TranslationSetup) -> Path:
     # The format changes when saved models stop loading (2: the encoder's and decoder's blocks
     # became the one TransformerBlock, whose parameters are named differently).
     settings = {**asdict(setup), "split": [SPLIT_SEED, N_VALID, N_TEST], "format": 2}
+    del settings["compile"]  # the same model, computed faster
     digest = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()
     return runs_root() / "translation" / f"{setup.name}-{digest[:12]}"
 
@@ -520,6 +528,7 @@ def run_translation(
         shapes, n = train_batches.distinct_shapes(), len(train_batches)
         print(f"{shapes} distinct batch shapes in an epoch of {n} batches", flush=True)
 
+    @torch.compiler.set_stance("force_eager")  # new graphs for a few batches would cost more
     def evaluate(model: EncoderDecoderTransformer) -> dict[str, float]:
         if progress and samples:
             for source, output in zip(samples, translate(model, list(samples), tokenizer)):
@@ -530,7 +539,9 @@ def run_translation(
         return seq2seq_loss(model, batch, smoothing=setup.label_smoothing, pad_id=train_batches.pad)
 
     started = time.perf_counter()
-    with sdpa_kernel(ATTENTION_BACKENDS):
+    blocks = [*model.encoder, *model.decoder]
+    compiling = compiled_blocks(blocks) if setup.compile else nullcontext()
+    with sdpa_kernel(ATTENTION_BACKENDS), compiling:
         history = train(model, cfg, train_batches, loss, evaluate=evaluate, on_log=on_log)
     seconds = time.perf_counter() - started
     set_fast_path(model, False)
