@@ -77,13 +77,17 @@ def step_timer(
 
 
 def print_profile(name: str, step: Callable[[], float], n: int) -> None:
-    """The operators that took the most device time over `n` steps."""
+    """What `n` steps cost on the device: the kernels a step launches, their time, and the
+    operators that took the most of it."""
     activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
     with torch.profiler.profile(activities=activities) as prof:
         for _ in range(n):
             step()
-    print(f"--- {name}: {n} steps")
-    print(prof.key_averages().table(sort_by="self_device_time_total", row_limit=15))
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    busy_ms = sum(e.device_time_total for e in kernels) / 1e3 / n
+    counts = f": {len(kernels) / n:,.0f} kernels, {busy_ms:.2f} ms of them a step"
+    print(f"--- {name}, {n} steps" + (counts if kernels else ""))
+    print(prof.key_averages().table(sort_by="self_device_time_total", row_limit=25))
 
 
 def main() -> None:

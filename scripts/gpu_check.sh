@@ -50,8 +50,8 @@ run() {  # run NAME SECONDS COMMAND...: the command, stopped after SECONDS, logg
 stage() {  # stage NAME: run one stage's commands
   case $1 in
     timed)
-      run char 110 python3 scripts/train_gpt2.py --profile full --compile
-      run step 70 python3 benchmarks/gpt2.py --size small --compile --profile-steps 2 ;;
+      run char 120 python3 scripts/train_gpt2.py --profile full --compile
+      run step 120 python3 benchmarks/gpt2.py --size small --compile --profile-steps 2 ;;
     cuda)
       run cuda 150 python3 -m pytest -p no:cacheprovider tests/test_cuda.py -n 4 -rs --durations=10
       run flash 60 python3 benchmarks/flash_attention.py ;;
@@ -82,7 +82,8 @@ done
 if [ $dry = 0 ]; then
   mkdir -p "$out"
   { date -u '+%F %T UTC'
-    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>&1
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null ||
+      echo "no nvidia-smi"
     python3 -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda)'
     echo "profile $COURSE_PROFILE; stages: $*"; } >>"$out/summary.txt"
 fi
