@@ -17,11 +17,15 @@ import pytest
 import torch
 from torch import nn
 
+from transformer_course.attention import set_fast_path
+from transformer_course.gpt2 import GPT2, GPT2Config
+from transformer_course.llama import Llama, LlamaConfig
 from transformer_course.training import (
     BEST_NAME,
     CHECKPOINT_NAME,
     TrainConfig,
     atomic_write,
+    compiled_blocks,
     cosine_lr,
     estimate_loss,
     inverse_sqrt_lr,
@@ -569,3 +573,45 @@ def test_estimate_loss_is_the_mean_eval_loss_and_restores_train_mode():
     assert loss == pytest.approx(sum(losses) / 3, rel=1e-6)
     with pytest.raises(ValueError, match="n_batches: expected a positive int, got 0"):
         estimate_loss(model, data, batch_size=4, n_ctx=5, n_batches=0)
+
+
+DECODERS = {  # the models whose blocks chapters 6 and 7 train compiled on a GPU
+    "GPT2": lambda: GPT2(GPT2Config(d_model=32, n_layers=3, n_heads=4, d_vocab=65, n_ctx=32)),
+    "Llama": lambda: Llama(
+        LlamaConfig(d_model=32, n_layers=3, n_heads=4, n_kv_heads=2, d_vocab=65, n_ctx=32)
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(DECODERS))
+def test_compiled_blocks_trace_without_a_break_and_compute_what_eager_does(name):
+    """One graph for training and one without gradients serve every block, whatever the length;
+    the outputs and gradients are eager's; after the `with`, the blocks are eager again."""
+    graphs = []
+
+    def backend(graph: torch.fx.GraphModule, example_inputs):
+        graphs.append(graph)
+        return graph.forward  # run as traced: the graphs are checked here, not the kernels
+
+    torch.manual_seed(0)
+    model, eager = set_fast_path(DECODERS[name]()), set_fast_path(DECODERS[name]())
+    eager.load_state_dict(model.state_dict())
+    torch._dynamo.reset()
+    with compiled_blocks(model.blocks, backend=backend, fullgraph=True):
+        for length in (24, 17, 9):
+            tokens = torch.randint(
+                0, 65, (4, length), generator=torch.Generator().manual_seed(length)
+            )
+            outputs = [m(tokens) for m in (model, eager)]
+            for out in outputs:
+                out.logsumexp(-1).mean().backward()
+            torch.testing.assert_close(outputs[0], outputs[1], atol=1e-6, rtol=0)
+            for p, q in zip(model.parameters(), eager.parameters()):
+                torch.testing.assert_close(p.grad, q.grad, atol=1e-6, rtol=0)
+                p.grad = q.grad = None
+            with torch.no_grad():
+                torch.testing.assert_close(model.eval()(tokens), eager.eval()(tokens))
+            model.train(), eager.train()
+    torch._dynamo.reset()
+    assert len(graphs) <= 3, f"{len(graphs)} graphs"  # training, evaluation, a length of 1 aside
+    assert not any("forward" in vars(block) for block in model.blocks)
