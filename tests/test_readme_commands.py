@@ -184,8 +184,10 @@ COMMANDS: dict[str, Run | Elsewhere] = {
         r"^::: page05 \(<= 300 s\): .* book/05_translation.ipynb$",
         r"^::: page06 \(<= 300 s\): .* book/06_gpt2.ipynb$",
         r"^::: cuda \(<= \d+ s\): python3 -m pytest .*tests/test_cuda.py -n 4\b",
-        r"^::: notebooks \(<= \d+ s\): python3 -m pytest .*--nbval-lax .* "
-        r"book/01_tokenization.ipynb ",
+        r"^::: notebooks \(<= \d+ s\): env OMP_NUM_THREADS=2 xargs .* -P 6 .* "
+        r"python3 -m pytest .*--nbval-lax .*-p no:xdist$",
+        r"^    book/07_llama.ipynb$",  # the notebooks, the longest first
+        r"^    solutions/04_layernorm.ipynb$",
         r"^::: translate \(<= \d+ s\): python3 -m transformer_course.translation --profile full$",
         r"^::: t-bench \(<= \d+ s\): python3 benchmarks/translation.py --batch-sizes 256 1024 "
         r"--compile$",
