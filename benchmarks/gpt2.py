@@ -145,9 +145,6 @@ def main() -> None:
         for name, timer in timers.items():
             times[name].append(timer())
 
-    for name, timer in timers.items():
-        if args.profile_steps:
-            print_profile(name, timer, args.profile_steps)
     per_token = flops_per_token(ours, tokens.shape[1])
     n_tokens = tokens.numel()
     report = {
@@ -169,7 +166,10 @@ def main() -> None:
     report["ratio_ours_over_hf"] = round(
         report["ours"]["step_ms"] / report["huggingface"]["step_ms"], 3
     )
-    print(json.dumps(report, indent=1))
+    print(json.dumps(report, indent=1), flush=True)
+    for name, timer in timers.items():  # after the report: it stands even if this is cut short
+        if args.profile_steps:
+            print_profile(name, timer, args.profile_steps)
 
 
 if __name__ == "__main__":

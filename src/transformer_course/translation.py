@@ -385,11 +385,14 @@ def translate_test(
     beam_size: int = 1,
 ) -> tuple[list[str], list[str], list[list[str]]]:
     """Translate each distinct English sentence of `pairs`: (sources, hypotheses, references).
+    On a GPU, 512 sentences at a time (a decoding step costs about as much for 512 as for 64,
+    the batch on a CPU).
 
     Course: chapter 5.
     """
     sources, references = references_by_source(pairs)
-    hypotheses = translate(model, sources, tokenizer, beam_size=beam_size)
+    batch_size = 512 if next(model.parameters()).is_cuda else 64
+    hypotheses = translate(model, sources, tokenizer, beam_size=beam_size, batch_size=batch_size)
     return sources, hypotheses, references
 
 
