@@ -615,3 +615,22 @@ def test_compiled_blocks_trace_without_a_break_and_compute_what_eager_does(name)
     torch._dynamo.reset()
     assert len(graphs) <= 3, f"{len(graphs)} graphs"  # training, evaluation, a length of 1 aside
     assert not any("forward" in vars(block) for block in model.blocks)
+
+
+def test_compiled_blocks_refuse_a_model_and_restore_every_forward_after_an_error():
+    model = DECODERS["GPT2"]()
+    with pytest.raises(
+        TypeError, match=r"blocks: expected the blocks \(e.g. model.blocks\), got GPT2"
+    ):
+        with compiled_blocks(model):
+            pass
+    with pytest.raises(TypeError, match="blocks: expected nn.Modules, got Tensor"):
+        with compiled_blocks([torch.zeros(2)]):
+            pass
+    with compiled_blocks(model.blocks, backend="eager"):
+        outer = vars(model.blocks[0])["forward"]
+        with pytest.raises(RuntimeError, match="stopped"):
+            with compiled_blocks(model.blocks, backend="eager"):
+                raise RuntimeError("stopped")
+        assert vars(model.blocks[0])["forward"] is outer  # the inner `with` gave it back
+    assert not any("forward" in vars(block) for block in model.blocks)

@@ -621,14 +621,24 @@ def compiled_blocks(blocks: Iterable[nn.Module], **options: Any) -> Iterator[Non
 
     Course: chapter 5.
     """
+    if not isinstance(blocks, Iterable):  # a whole model, say
+        got = type(blocks).__name__
+        raise TypeError(f"blocks: expected the blocks (e.g. model.blocks), got {got}")
     blocks = list(blocks)
-    for block in blocks:  # an instance attribute hides the class's forward
-        block.forward = torch.compile(block.forward, dynamic=True, **options)
+    for block in blocks:
+        if not isinstance(block, nn.Module):
+            raise TypeError(f"blocks: expected nn.Modules, got {type(block).__name__}")
+    own = [vars(block).get("forward") for block in blocks]  # None: the class's forward
     try:
+        for block in blocks:  # an instance attribute hides the class's forward
+            block.forward = torch.compile(block.forward, dynamic=True, **options)
         yield
     finally:
-        for block in blocks:
-            del block.forward
+        for block, forward in zip(blocks, own):
+            if forward is None:
+                vars(block).pop("forward", None)
+            else:
+                block.forward = forward
 
 
 def train(

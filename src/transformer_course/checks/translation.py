@@ -441,6 +441,14 @@ def check_beam_search(fn: Callable[..., list[list[int]]]) -> None:
 
 SRC = torch.tensor([[3, 3]])  # one source row; the toy models ignore it
 PENALTY = "divide each ended translation's total log-probability by length ** length_penalty"
+# The toy model of both length_penalty cases: the default 0.6, and 1.0.
+PENALTY_MATTERS = {
+    1: {7: 1.0},
+    5: {8: 0.58, 7: 0.42},
+    6: {5: 0.77, 8: 0.23},
+    7: {5: 0.48, 7: 0.24, 2: 0.28},
+    8: {8: 0.54, 2: 0.46},
+}
 BEAM_CASES = [  # label, next-token probabilities by the token before, options, hint; each case
     # tells one mistake from the contract, and comes before the cases its mistake also changes
     (
@@ -477,13 +485,7 @@ BEAM_CASES = [  # label, next-token probabilities by the token before, options, 
     ),
     (
         "length_penalty left at its default, 0.6",
-        {
-            1: {7: 1.0},
-            5: {8: 0.58, 7: 0.42},
-            6: {5: 0.77, 8: 0.23},
-            7: {5: 0.48, 7: 0.24, 2: 0.28},
-            8: {8: 0.54, 2: 0.46},
-        },
+        PENALTY_MATTERS,
         dict(max_new_tokens=4),
         f"{PENALTY}, with the length_penalty given (0.6 by default), not by the length itself.",
     ),
@@ -501,13 +503,7 @@ BEAM_CASES = [  # label, next-token probabilities by the token before, options, 
     ),
     (
         "length_penalty=1.0",
-        {
-            1: {7: 1.0},
-            5: {8: 0.58, 7: 0.42},
-            6: {5: 0.77, 8: 0.23},
-            7: {5: 0.48, 7: 0.24, 2: 0.28},
-            8: {8: 0.54, 2: 0.46},
-        },
+        PENALTY_MATTERS,
         dict(max_new_tokens=4, length_penalty=1.0),
         f"{PENALTY}, with the length_penalty argument, not a fixed exponent.",
     ),
