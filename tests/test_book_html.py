@@ -83,6 +83,13 @@ DRAWN_FIGURES = {
         "grouped_query_heads.svg",
         "kv_cache.svg",
     ),
+    "book/08_scaling.html": (
+        "flash_tiles.svg",
+        "online_softmax.svg",
+        "overlap_timeline.svg",
+        "ring_allreduce.svg",
+        "rank_memory.svg",
+    ),
 }
 IMAGE_FILE = re.compile(r"\S*\.(png|svg|jpe?g|gif|webp)", re.IGNORECASE)
 

@@ -5,6 +5,7 @@ of the reference, as a learner would write it). The distributed checkers fork tw
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -178,6 +179,97 @@ def test_a_forward_without_rescaling_is_named():
     fails(check_flash_attention_forward, no_rescale, "exp(m - m')")
 
 
+def tiled_forward(stop=lambda i1, offset, n_k: min(n_k, i1 + offset), strict=False, half=False):
+    """A learner's tiled forward: `stop` ends the causal key loop, `strict` masks j < i + offset
+    (the diagonal out), `half` computes in the inputs' float16 and casts only L."""
+
+    def forward(q, k, v, causal=False, *, q_tile=64, k_tile=64):
+        n_q, n_k = q.shape[-2], k.shape[-2]
+        up = (
+            (lambda t: t)
+            if half
+            else (lambda t: t.double() if t.dtype == torch.float64 else t.float())
+        )
+        out, lse = (
+            torch.empty_like(q),
+            torch.empty(q.shape[:-1], dtype=torch.promote_types(q.dtype, torch.float32)),
+        )
+        for i0 in range(0, n_q, q_tile):
+            i1 = min(i0 + q_tile, n_q)
+            q_i = up(q[..., i0:i1, :]) / math.sqrt(q.shape[-1])
+            m = torch.full(q_i.shape[:-1], -math.inf, dtype=q_i.dtype)
+            l, acc = torch.zeros_like(m), torch.zeros_like(q_i)  # noqa: E741
+            for j0 in range(0, stop(i1, n_k - n_q, n_k) if causal else n_k, k_tile):
+                s = q_i @ up(k[..., j0 : j0 + k_tile, :]).transpose(-2, -1)
+                if causal:
+                    i = torch.arange(i0, i1)[:, None] + n_k - n_q
+                    j = torch.arange(j0, j0 + s.shape[-1])
+                    s = s.masked_fill(j >= i if strict else j > i, -math.inf)
+                m_new = torch.maximum(m, s.amax(-1))
+                p, rescale = torch.exp(s - m_new[..., None]), torch.exp(m - m_new)
+                l = rescale * l + p.sum(-1)  # noqa: E741
+                acc = rescale[..., None] * acc + p @ up(v[..., j0 : j0 + k_tile, :])
+                m = m_new
+            out[..., i0:i1, :] = (acc / l[..., None]).to(q.dtype)
+            lse[..., i0:i1] = m + torch.log(l)
+        return out, lse
+
+    return forward
+
+
+def test_tiled_forward_alternative_passes():
+    check_flash_attention_forward(tiled_forward())
+
+
+def test_causal_forward_tiles_are_checked_at_every_alignment():
+    short = tiled_forward(stop=lambda i1, offset, n_k: min(n_k, i1 - 1 + offset))
+    fails(check_flash_attention_forward, short, "key loop stops short", "never met key")
+    fails(check_flash_attention_forward, tiled_forward(strict=True), "diagonal", "<=, not <")
+    fails(check_flash_attention_forward, tiled_forward(half=True), "accumulate in float32")
+
+
+def tiled_backward(first=lambda j0, offset, q_tile: max(0, j0 - offset) // q_tile, half=False):
+    """A learner's backward: key tiles outside, the query tiles from `first(j0, offset, q_tile)`
+    on inside; `half` computes in the inputs' float16."""
+
+    def backward(q, k, v, out, lse, grad_out, causal=False, *, q_tile=64, k_tile=64):
+        n_q, n_k, scale = q.shape[-2], k.shape[-2], 1 / math.sqrt(q.shape[-1])
+        offset = n_k - n_q
+        up = (
+            (lambda t: t.to(q.dtype))
+            if half
+            else (lambda t: t.double() if t.dtype == torch.float64 else t.float())
+        )
+        D = (up(grad_out) * up(out)).sum(-1)
+        dq, dk, dv = (torch.zeros_like(up(t)) for t in (q, k, v))
+        for j0 in range(0, n_k, k_tile):
+            k_j, v_j = up(k[..., j0 : j0 + k_tile, :]), up(v[..., j0 : j0 + k_tile, :])
+            j = torch.arange(j0, j0 + k_j.shape[-2])
+            for i0 in range(first(j0, offset, q_tile) * q_tile if causal else 0, n_q, q_tile):
+                i1 = min(i0 + q_tile, n_q)
+                q_i, do_i = up(q[..., i0:i1, :]), up(grad_out[..., i0:i1, :])
+                p = torch.exp(q_i @ k_j.transpose(-2, -1) * scale - up(lse[..., i0:i1, None]))
+                if causal:
+                    p = p.masked_fill(j > torch.arange(i0, i1)[:, None] + offset, 0.0)
+                dv[..., j0 : j0 + k_tile, :] += p.transpose(-2, -1) @ do_i
+                ds = p * (do_i @ v_j.transpose(-2, -1) - D[..., i0:i1, None])
+                dq[..., i0:i1, :] += ds @ k_j * scale
+                dk[..., j0 : j0 + k_tile, :] += ds.transpose(-2, -1) @ q_i * scale
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+    return backward
+
+
+def test_tiled_backward_alternative_passes():
+    check_flash_attention_backward(tiled_backward())
+
+
+def test_causal_backward_tiles_are_checked_at_every_alignment():
+    one_off = tiled_backward(first=lambda j0, offset, q_tile: -(-max(0, j0 - offset) // q_tile))
+    fails(check_flash_attention_backward, one_off, "query tiles that meet key tile", "never met")
+    fails(check_flash_attention_backward, tiled_backward(half=True), "computed in float16")
+
+
 def test_backward_mistakes_are_named():
     def whole(q, k, v, out, lse, grad_out, causal=False, **tiles):
         q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
@@ -228,16 +320,18 @@ class LseOnCtx(flash_attention.FlashAttention):
 
     @staticmethod
     def forward(ctx, q, k, v, causal=False, q_tile=64, k_tile=64):
-        out, ctx.lse = flash_attention.flash_attention_forward(q, k, v, causal)
+        out, ctx.lse = flash_attention.flash_attention_forward(
+            q, k, v, causal, q_tile=q_tile, k_tile=k_tile
+        )
         ctx.save_for_backward(q, k, v, out)
-        ctx.causal = causal
+        ctx.causal, ctx.tiles = causal, dict(q_tile=q_tile, k_tile=k_tile)
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
         q, k, v, out = ctx.saved_tensors
         grads = flash_attention.flash_attention_backward(
-            q, k, v, out, ctx.lse, grad_out, ctx.causal
+            q, k, v, out, ctx.lse, grad_out, ctx.causal, **ctx.tiles
         )
         return *grads, None, None, None
 
@@ -247,16 +341,18 @@ class OutOnCtx(flash_attention.FlashAttention):
 
     @staticmethod
     def forward(ctx, q, k, v, causal=False, q_tile=64, k_tile=64):
-        ctx.out, lse = flash_attention.flash_attention_forward(q, k, v, causal)
+        ctx.out, lse = flash_attention.flash_attention_forward(
+            q, k, v, causal, q_tile=q_tile, k_tile=k_tile
+        )
         ctx.save_for_backward(q, k, v, lse)
-        ctx.causal = causal
+        ctx.causal, ctx.tiles = causal, dict(q_tile=q_tile, k_tile=k_tile)
         return ctx.out
 
     @staticmethod
     def backward(ctx, grad_out):
         q, k, v, lse = ctx.saved_tensors
         grads = flash_attention.flash_attention_backward(
-            q, k, v, ctx.out, lse, grad_out, ctx.causal
+            q, k, v, ctx.out, lse, grad_out, ctx.causal, **ctx.tiles
         )
         return *grads, None, None, None
 
@@ -279,12 +375,32 @@ class TooFewGradients(flash_attention.FlashAttention):
         return flash_attention.FlashAttention.backward(ctx, grad_out)[:3]
 
 
+class IgnoresTiles(flash_attention.FlashAttention):
+    """Takes the tile sizes but runs the forward with the default ones."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, causal=False, q_tile=64, k_tile=64):
+        return flash_attention.FlashAttention.forward(ctx, q, k, v, causal)
+
+
+class BackwardWithoutTiles(flash_attention.FlashAttention):
+    """Tiles the forward, but runs the backward with the default tiles."""
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k, v, out, lse = ctx.saved_tensors
+        grads = flash_attention.flash_attention_backward(q, k, v, out, lse, grad_out, ctx.causal)
+        return *grads, None, None, None
+
+
 def test_flash_attention_function_mistakes_are_named():
     fails(check_flash_attention_function, SavesPattern, "size of the pattern")
     fails(check_flash_attention_function, LseOnCtx, "exactly one saved tensor", "attribute of ctx")
     fails(check_flash_attention_function, TooFewGradients, "None for causal")
     fails(check_flash_attention_function, OutOnCtx, "q and the output saved")
     fails(check_flash_attention_function, NoTiles, "the tile sizes follow causal")
+    fails(check_flash_attention_function, IgnoresTiles, "its forward", "pass q_tile and k_tile")
+    fails(check_flash_attention_function, BackwardWithoutTiles, "its backward", "ctx")
 
 
 def test_a_backward_that_returns_float32_for_half_inputs_is_named():
@@ -394,11 +510,32 @@ class ZeroForUnused(data_parallel.DataParallel):
                     p.grad = torch.zeros_like(p)
 
 
+class Blocking(data_parallel.DataParallel):
+    """All-reduces each bucket in `_start` with a blocking call: nothing overlaps."""
+
+    def _start(self, bucket):
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in bucket.params]
+        flags = torch.tensor([float(p.grad is not None) for p in bucket.params])
+        bucket.flat = torch.cat([*(g.flatten() / self.world_size for g in grads), flags])
+        dist.all_reduce(bucket.flat)
+        bucket.work = SimpleNamespace(wait=lambda: None)
+
+
+class WaitsInStart(data_parallel.DataParallel):
+    """Starts each all-reduce asynchronously, then waits for it at once."""
+
+    def _start(self, bucket):
+        super()._start(bucket)
+        bucket.work.wait()
+
+
 @needs_dist
 def test_data_parallel_mistakes_are_named():
     fails(check_data_parallel, Summed, "divide by the world size")
     fails(check_data_parallel, NotWrittenBack, "write the averaged gradient back")
     fails(check_data_parallel, ZeroForUnused, "grad None")
+    fails(check_data_parallel, Blocking, "blocked until done", "async_op=True")
+    fails(check_data_parallel, WaitsInStart, "waited on during the backward")
 
 
 class NoBroadcast(sharded.ShardedOptimizer):
@@ -433,10 +570,20 @@ class Hangs(sharded.ShardedOptimizer):
             self.optimizer.step()
 
 
+class StepsEveryParameter(sharded.ShardedOptimizer):
+    """Its optimizer steps every parameter on every rank (the broadcasts hide it)."""
+
+    def __init__(self, params, optimizer_cls, **kwargs):
+        super().__init__(params, optimizer_cls, **kwargs)
+        self.optimizer = optimizer_cls([dict(g) for g in self.param_groups], **kwargs)
+        self._local_group = list(range(len(self.param_groups)))
+
+
 @needs_dist
 def test_sharded_optimizer_mistakes_are_named(monkeypatch):
     fails(check_sharded_optimizer, NoBroadcast, "broadcast each parameter from its owner")
     fails(check_sharded_optimizer, StaleLearningRate, "copy each group's settings")
+    fails(check_sharded_optimizer, StepsEveryParameter, "keeps optimizer state", "own share")
     monkeypatch.setattr("transformer_course.checks.scaling.RANKS_TIMEOUT", 10)
     fails(check_sharded_optimizer, Hangs, "same collectives")
 
@@ -463,10 +610,22 @@ class WholeCopies(sharded.FullyShardedDataParallel):
         self._pending.append((shard, out, dist.all_reduce(out, async_op=True)))
 
 
+class NoPadding(sharded.FullyShardedDataParallel):
+    """Cuts numel // world_size elements per rank, without padding."""
+
+    def _make_shard(self, p):
+        shard_numel = p.numel() // self.world_size
+        mine = p.detach().float().flatten()[self.rank * shard_numel :][:shard_numel].clone()
+        shard = nn.Parameter(mine, requires_grad=p.requires_grad)
+        self._shards[shard] = sharded._Shard(p.shape, p.numel(), shard_numel)
+        return shard
+
+
 @needs_dist
 def test_fsdp_mistakes_are_named():
     fails(check_fsdp, SummedShards, "divide by the world size")
     fails(check_fsdp, WholeCopies, "ceil(numel / world_size)")
+    fails(check_fsdp, NoPadding, "on no rank", "remainder")
 
 
 class SliceKeepsTheWhole(sharded.FullyShardedDataParallel):

@@ -9,6 +9,10 @@ dtypes. Two failures, each with the cell named:
 - a compared cell that prints a float (a decimal point, an exponent, a percentage, nan or inf);
 - an ignored cell that prints something and asserts nothing.
 
+And the prose holds to it: where a page's text says a cell asserts what it claims ("the cell
+asserts it", "(asserted)"), the code cell just above or just below that text asserts something,
+so deleting the assert from the cell fails here, not silently.
+
 The exceptions are named below with the reason each is exact, or not a claim.
 """
 
@@ -28,6 +32,7 @@ FLOAT = re.compile(
     re.IGNORECASE,
 )
 ASSERTS = re.compile(r"^\s*assert\b|\bcheck_\w+\(", re.MULTILINE)
+PROSE_CLAIM = re.compile(r"\bcells? asserts?\b|\(asserted\)|\bis asserted\b", re.IGNORECASE)
 RUN_LINE = re.compile(r"^profile=\w+ device=\w+ torch=\S+\n?$")  # describe_run(): not a result
 
 # (notebook, a piece of the cell's source) -> why its output may be compared exactly although it
@@ -138,6 +143,30 @@ def violations(path: Path, root: Path = ROOT) -> list[str]:
     return found
 
 
+def unasserted_prose(path: Path, root: Path = ROOT) -> list[str]:
+    """Markdown cells that say a cell asserts their claim while neither neighbouring code cell
+    (the nearest above and the nearest below) asserts anything, each named."""
+    cells = nbformat.read(path, as_version=4).cells
+    found = []
+    for number, cell in enumerate(cells):
+        if cell.cell_type != "markdown" or not (claim := PROSE_CLAIM.search(cell.source)):
+            continue
+        above = [c for c in cells[:number] if c.cell_type == "code"][-1:]
+        below = [c for c in cells[number + 1 :] if c.cell_type == "code"][:1]
+        if not any(ASSERTS.search(c.source) for c in above + below):
+            found.append(
+                f"{path.relative_to(root)} markdown cell {number} says {claim[0]!r}, but neither "
+                "neighbouring code cell asserts anything"
+            )
+    return found
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: f"{p.parent.name}/{p.stem}")
+def test_prose_that_cites_an_assert_has_one(path):
+    problems = unasserted_prose(path)
+    assert not problems, "\n".join(problems)
+
+
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: f"{p.parent.name}/{p.stem}")
 def test_every_printed_result_is_asserted_and_no_float_is_compared(path):
     problems = violations(path)
@@ -176,3 +205,24 @@ def test_the_rule_catches_both_mistakes(tmp_path):
     assert len(problems) == 2, problems
     assert "code cell 0" in problems[0] and "compared exactly" in problems[0]
     assert "code cell 1" in problems[1] and "nothing checks" in problems[1]
+
+
+def test_the_prose_rule_catches_a_claim_without_its_assert(tmp_path):
+    """Text that cites an assert next to cells that assert nothing is reported; text next to an
+    asserting cell, and text that cites nothing, are not."""
+    book = tmp_path / "book"
+    book.mkdir()
+    notebook = nbformat.v4.new_notebook()
+    notebook.cells = [
+        nbformat.v4.new_code_cell("print(loss)"),
+        nbformat.v4.new_markdown_cell("The loss falls below 2 (the cell asserts it)."),
+        nbformat.v4.new_code_cell("print(bleu)"),
+        nbformat.v4.new_markdown_cell("BLEU is 3 or more (asserted)."),
+        nbformat.v4.new_code_cell("assert bleu >= 3, 'it translates'"),
+        nbformat.v4.new_markdown_cell("The plot shows the loss."),
+    ]
+    path = book / "99_example.ipynb"
+    nbformat.write(notebook, path)
+    problems = unasserted_prose(path, root=tmp_path)
+    assert len(problems) == 1, problems
+    assert "markdown cell 1" in problems[0] and "cell asserts" in problems[0]

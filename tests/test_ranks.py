@@ -29,7 +29,13 @@ def collectives(rank: int) -> dict:
         out = torch.empty(4)
         dist.all_gather_into_tensor(out, torch.full((2,), float(rank)))
         dist.reduce_scatter_tensor(torch.empty(1), torch.ones(2))
-    return {"sum": t, "bytes": sent.bytes, "gathered": out, "all_reduce": dist.all_reduce}
+    return {
+        "sum": t,
+        "bytes": sent.bytes,
+        "calls": sent.calls,
+        "gathered": out,
+        "all_reduce": dist.all_reduce,
+    }
 
 
 def test_on_ranks_runs_each_rank_and_counts_payloads():
@@ -43,6 +49,8 @@ def test_on_ranks_runs_each_rank_and_counts_payloads():
             "all_gather": 16,
             "reduce_scatter": 8,
         }
+        kinds = ("all_reduce", "broadcast", "all_gather", "reduce_scatter")
+        assert result["calls"] == dict.fromkeys(kinds, 1)  # the paused all-reduce not counted
         assert result["all_reduce"] is dist.all_reduce  # restored after the block
 
 

@@ -20,6 +20,10 @@ compare them with references computed here, in one process, or by PyTorch on the
   masters), the same SGD: `HALF_ATOL` 1e-3 for float16 and 1e-2 for bfloat16 (we see 1.4e-4
   and 1.4e-3: the two halves' gradients round differently from the whole batch's), where the
   weights move by ~0.4; that the compute ran in half precision is checked on the logits;
+- FSDP keeping parameters under `REPLICATE_BELOW` elements whole (the norms and biases):
+  against the same single-process training, `ATOL`; those parameters bitwise equal on both
+  ranks; the bytes it hands to each collective in a step (`ranks.CollectiveBytes`) against
+  `step_cost.collective_bytes_per_step(..., replicate_below=...)`;
 - PyTorch's `torch.distributed.fsdp.fully_shard` (which runs on gloo) on the same ranks with
   the same SGD steps: `ATOL`.
 """
@@ -39,8 +43,9 @@ from transformer_course.data_parallel import DataParallel
 from transformer_course.gpt2 import GPT2, GPT2Config, lm_loss
 from transformer_course.llama import Llama, LlamaConfig
 from transformer_course.optim import AdamW
-from transformer_course.ranks import on_ranks
+from transformer_course.ranks import CollectiveBytes, on_ranks
 from transformer_course.sharded import FullyShardedDataParallel, ShardedOptimizer
+from transformer_course.step_cost import collective_bytes_per_step
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="no torch.distributed")
 
@@ -53,6 +58,7 @@ SGD_LR = 0.5
 OPT_ATOL = 1e-7
 ATOL = 1e-6
 # We see 1.4e-4 and 1.4e-3: as far as the reference is itself from float32 training (2e-4, 2e-3).
+REPLICATE_BELOW = 100  # CFG's norms and biases (32 to 65 elements); W_pos (512) is sharded
 HALF_ATOL = {torch.float16: 1e-3, torch.bfloat16: 1e-2}
 OPTIMIZERS = {"torch": torch.optim.AdamW, "course": AdamW}
 
@@ -170,17 +176,20 @@ def zero1_checks(rank: int) -> dict:
     return out
 
 
-def fsdp_train(rank, model, dtype=None, first_grads=None):
+def fsdp_train(rank, model, dtype=None, first_grads=None, replicate_below=0, sent=None):
     """SGD steps of `FullyShardedDataParallel(model)`; `first_grads` gets the first step's
-    gradient slices, by parameter name."""
-    model = FullyShardedDataParallel(model, compute_dtype=dtype)
+    gradient slices, by parameter name, and `sent` the bytes of the last step's collectives."""
+    model = FullyShardedDataParallel(model, compute_dtype=dtype, replicate_below=replicate_below)
     optimizer = sgd(model.parameters())
     for tokens, targets in batches(model.module.cfg.d_vocab):
         tokens, targets = half_of(rank, tokens, targets)
-        logits = model(tokens)
-        optimizer.zero_grad(set_to_none=True)
-        lm_loss(logits, targets).backward()
-        model.finish_gradient_synchronization()
+        with CollectiveBytes() as counted:
+            logits = model(tokens)
+            optimizer.zero_grad(set_to_none=True)
+            lm_loss(logits, targets).backward()
+            model.finish_gradient_synchronization()
+        if sent is not None:
+            sent.update(counted.bytes)
         if first_grads is not None and not first_grads:
             names = {id(p): n for n, p in model.module.named_parameters()}
             first_grads.update({names[id(p)]: p.grad.clone() for p in model.parameters()})
@@ -196,6 +205,16 @@ def fsdp_checks(rank: int) -> dict:
     out["fsdp"] = model.gather_full_params()
     out["fsdp_first_grads"] = first_grads
     out["fsdp_shards"] = {n: p.numel() for n, p in model.module.named_parameters()}
+    torch.manual_seed(rank)
+    sent: dict = {}
+    model, _ = fsdp_train(rank, GPT2(CFG), replicate_below=REPLICATE_BELOW, sent=sent)
+    out["replicated"] = model.gather_full_params()
+    out["replicated_bytes"] = sent
+    out["replicated_whole"] = {
+        n: p.detach().clone()
+        for n, p in model.module.named_parameters()
+        if model._shards[p].replicated
+    }
     torch.manual_seed(rank)
     model, _ = fsdp_train(rank, Llama(LLAMA))
     out["fsdp_llama"] = model.gather_full_params()
@@ -224,6 +243,11 @@ def fsdp_checks(rank: int) -> dict:
         FullyShardedDataParallel(GPT2(CFG), compute_dtype=torch.int32)
     except ValueError as error:
         out["fsdp_dtype"] = str(error)
+    for bad in (-1, 1.5):
+        try:
+            FullyShardedDataParallel(GPT2(CFG), replicate_below=bad)
+        except ValueError as error:
+            out[f"fsdp_replicate_{bad}"] = str(error)
     try:
         FullyShardedDataParallel(
             GPT2(CFG if rank == 0 else GPT2Config(**{**vars(CFG), "n_ctx": 8}))
@@ -394,6 +418,36 @@ def test_fsdp_whole_parameters_live_only_while_needed(results):
         assert out["alive_after_backward"] == 0
 
 
+def test_fsdp_keeping_small_parameters_whole_equals_single_process_training(results):
+    expected = single_process()
+    whole = {n: p for n, p in initial_model().named_parameters() if p.numel() < REPLICATE_BELOW}
+    assert all("ln" in n or n.split(".")[-1].startswith("b") for n in whole), sorted(whole)
+    zero, one = results
+    assert sorted(zero["replicated_whole"]) == sorted(whole)
+    for name, value in zero["replicated_whole"].items():
+        assert value.shape == whole[name].shape and torch.equal(
+            one["replicated_whole"][name], value
+        )
+        assert not torch.equal(value, whole[name]), name  # trained
+    assert_states_close(zero["replicated"], expected, ATOL)
+
+
+def test_fsdp_keeping_small_parameters_whole_sends_what_the_formula_says(results):
+    formula = collective_bytes_per_step(CFG, "fsdp", world_size=2, replicate_below=REPLICATE_BELOW)
+    assert formula["all_reduce"] == 4 * sum(
+        p.numel() for p in initial_model().parameters() if p.numel() < REPLICATE_BELOW
+    )
+    everything = collective_bytes_per_step(CFG, "fsdp", world_size=2)
+    for out in results:
+        sent = out["replicated_bytes"]
+        assert sent["all_reduce"] == formula["all_reduce"]
+        assert 1 <= sent["reduce_scatter"] / formula["reduce_scatter"] < 1.01
+        assert formula["all_gather"] / 2 < sent["all_gather"] <= formula["all_gather"]
+        assert formula["reduce_scatter"] < everything["reduce_scatter"]
+    with pytest.raises(ValueError, match="replicate_below: expected an int >= 0, got -1"):
+        collective_bytes_per_step(CFG, "fsdp", world_size=2, replicate_below=-1)
+
+
 def test_fsdp_equals_pytorch_fully_shard(results):
     for out in results:
         assert_states_close(out["fsdp"], out["fully_shard"], ATOL)
@@ -402,6 +456,8 @@ def test_fsdp_equals_pytorch_fully_shard(results):
 def test_fsdp_clear_errors(results):
     for out in results:
         assert "compute_dtype" in out["fsdp_dtype"] and "torch.int32" in out["fsdp_dtype"]
+        assert out["fsdp_replicate_-1"] == "replicate_below: expected an int >= 0, got -1"
+        assert out["fsdp_replicate_1.5"] == "replicate_below: expected an int >= 0, got 1.5"
         assert "'pos_embed.W_pos'" in out["fsdp_differ"]
         assert "(16, 32)" in out["fsdp_differ"] and "(8, 32)" in out["fsdp_differ"]
 

@@ -331,8 +331,10 @@ keep(ShardedOptimizer)
 # its gradient and, with an optimizer over those slices, of its optimizer state. A layer's
 # whole parameters exist only while it computes: all-gathered just before its forward, freed
 # just after, gathered again in the backward; their gradients are summed and cut across the
-# ranks by a *reduce-scatter*. `FullyShardedDataParallel(module, compute_dtype=None)` is given
-# except the three methods that define the slices:
+# ranks by a *reduce-scatter*. `FullyShardedDataParallel(module, compute_dtype=None,
+# replicate_below=0)` is given except the three methods that define the slices (the parameters
+# with fewer than `replicate_below` elements are not sliced: the given `_make_replica`, `_whole`
+# and `_send_gradient` keep those whole on every rank and all-reduce their gradients):
 #
 # - `_make_shard(p)`: flatten `p`, pad it with zeros to `world_size * shard_numel` elements,
 #   `shard_numel = ceil(numel / world_size)`, and return this rank's slice `self.rank *

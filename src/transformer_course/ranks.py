@@ -107,6 +107,7 @@ class CollectiveBytes:
         with CollectiveBytes() as sent:
             ...one training step...
         sent.bytes            # {"all_reduce": 1234, ...}, by kind of collective
+        sent.calls            # {"all_reduce": 3, ...}: how many messages of each kind
         sent.total
 
     The payload of a collective is the tensor it works on: the one all-reduced or broadcast,
@@ -119,6 +120,7 @@ class CollectiveBytes:
 
     def __init__(self) -> None:
         self.bytes: dict[str, int] = {}
+        self.calls: dict[str, int] = {}
         self._originals: dict[str, Callable] = {}
         self._counting = True
 
@@ -128,6 +130,7 @@ class CollectiveBytes:
                 kind, index = PAYLOAD[name]
                 tensor = args[index]
                 self.bytes[kind] = self.bytes.get(kind, 0) + tensor.numel() * tensor.element_size()
+                self.calls[kind] = self.calls.get(kind, 0) + 1
             return collective(*args, **kwargs)
 
         return run

@@ -12,7 +12,10 @@ number of ranks. Sharding gives each rank a slice instead.
   a 1/world_size slice of every parameter, of its gradient and (with an optimizer over the
   slices) of its optimizer state. A layer's whole parameters exist only while it computes:
   all-gathered just before its forward and freed just after, gathered again in the backward,
-  and their gradients are summed and sliced across ranks by a reduce-scatter.
+  and their gradients are summed and sliced across ranks by a reduce-scatter. Parameters too
+  small to be worth a collective each (a norm's weight, a bias) can stay whole on every rank
+  (`replicate_below`, like DeepSpeed's `stage3_param_persistence_threshold`): their gradients
+  are all-reduced, as under data parallelism.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from transformer_course import validate
 from transformer_course.data_parallel import check_same_parameters, require_process_group
 
 __all__ = ["ShardedOptimizer", "FullyShardedDataParallel"]
@@ -161,11 +165,13 @@ class ShardedOptimizer(torch.optim.Optimizer):
 class _Shard:
     """What a rank knows of one parameter: the shape of the whole and how it is cut. The whole,
     flattened and padded with zeros to `world_size * shard_numel` elements, is cut into
-    `world_size` equal slices; rank r keeps slice r."""
+    `world_size` equal slices; rank r keeps slice r. A `replicated` parameter is not cut: every
+    rank keeps the whole."""
 
     shape: torch.Size
     numel: int
     shard_numel: int
+    replicated: bool = False
 
 
 class _Use:
@@ -184,13 +190,13 @@ class _GatherParameter(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, shard: nn.Parameter, use: _Use) -> Tensor:
         ctx.use = use
-        return use.fsdp._all_gather(shard)
+        return use.fsdp._whole(shard)
 
     @staticmethod
     def backward(ctx: Any, grad_full: Tensor) -> tuple[None, None]:
         use = ctx.use
         use.full = None  # gathered again for this backward, and no longer needed
-        use.fsdp._reduce_scatter(use.shard, grad_full)
+        use.fsdp._send_gradient(use.shard, grad_full)
         return None, None
 
 
@@ -226,6 +232,12 @@ class FullyShardedDataParallel(nn.Module):
     into the slices: each rank receives the average over ranks of its slice, and a parameter
     used twice (a tied embedding) gets both uses' gradients.
 
+    Parameters with fewer than `replicate_below` elements (default 0: none) are not sharded:
+    every rank keeps the whole, in float32, as its own `nn.Parameter` (same name and shape),
+    cast to the compute dtype for each use without a collective; their gradients are
+    all-reduced and averaged (asynchronously, like the slices') and so stay bitwise equal on
+    every rank, as do the parameters after any optimizer's step.
+
     Every rank must run the same modules in the same order (they all gather together).
     A module may only use its own parameters in its forward. Buffers stay as they are.
 
@@ -239,11 +251,14 @@ class FullyShardedDataParallel(nn.Module):
     Course: chapter 8, exercise 8.9, checked by checks.scaling.check_fsdp.
     """
 
-    def __init__(self, module: nn.Module, compute_dtype: torch.dtype | None = None) -> None:
+    def __init__(
+        self, module: nn.Module, compute_dtype: torch.dtype | None = None, replicate_below: int = 0
+    ) -> None:
         super().__init__()
         self.rank, self.world_size = require_process_group()
         if not isinstance(module, nn.Module):
             raise TypeError(f"module: expected a torch.nn.Module, got {type(module).__name__}")
+        self.replicate_below = validate.integer("replicate_below", replicate_below, low=0)
         compute_dtype = torch.float32 if compute_dtype is None else compute_dtype
         if not isinstance(compute_dtype, torch.dtype) or not compute_dtype.is_floating_point:
             raise ValueError(
@@ -259,7 +274,8 @@ class FullyShardedDataParallel(nn.Module):
         self._shards: dict[nn.Parameter, _Shard] = {}
         shard_of: dict[nn.Parameter, nn.Parameter] = {}  # whole -> slice (a shared one once)
         for p in module.parameters():
-            shard_of[p] = self._make_shard(p)
+            small = p.numel() < self.replicate_below
+            shard_of[p] = self._make_replica(p) if small else self._make_shard(p)
         self._units: dict[nn.Module, list[tuple[str, nn.Parameter]]] = {}
         for unit in module.modules():
             own = [(n, p) for n, p in unit._parameters.items() if p is not None]
@@ -272,7 +288,15 @@ class FullyShardedDataParallel(nn.Module):
         self._gathered: dict[int, _Use] = {}  # storage address -> the use it was gathered for
         self._pending: list[tuple[nn.Parameter, Tensor, Any]] = []  # reduce-scatters in flight
 
+    def _make_replica(self, p: nn.Parameter) -> nn.Parameter:
+        """The whole of `p` in float32, kept on every rank (a parameter under the threshold)."""
+        whole = nn.Parameter(p.detach().float().clone(), requires_grad=p.requires_grad)
+        self._shards[whole] = _Shard(p.shape, p.numel(), p.numel(), replicated=True)
+        return whole
+
     def _make_shard(self, p: nn.Parameter) -> nn.Parameter:
+        """This rank's float32 slice of `p`, flattened and zero-padded to a multiple of the
+        world size, as a new parameter."""
         shard_numel = math.ceil(p.numel() / self.world_size)
         flat = torch.zeros(shard_numel * self.world_size, dtype=torch.float32, device=p.device)
         flat[: p.numel()] = p.detach().flatten()
@@ -288,6 +312,22 @@ class FullyShardedDataParallel(nn.Module):
         flat = torch.empty(info.shard_numel * self.world_size, dtype=dtype, device=shard.device)
         all_gather_single(flat, shard.detach().to(dtype))
         return flat[: info.numel].view(info.shape)
+
+    def _whole(self, shard: nn.Parameter, dtype: torch.dtype | None = None) -> Tensor:
+        """The whole parameter of `shard` in `dtype` (default the compute dtype): gathered from
+        the slices, or a replica's own copy, cast without a collective."""
+        if self._shards[shard].replicated:
+            return shard.detach().to(dtype or self.compute_dtype, copy=True)
+        return self._all_gather(shard, dtype)
+
+    def _send_gradient(self, shard: nn.Parameter, grad_full: Tensor) -> None:
+        """Start averaging `grad_full` over ranks: reduce-scattered into this rank's slice, or
+        all-reduced whole for a replica."""
+        if self._shards[shard].replicated:
+            average = grad_full.float() / self.world_size
+            self._pending.append((shard, average, dist.all_reduce(average, async_op=True)))
+        else:
+            self._reduce_scatter(shard, grad_full)
 
     def _reduce_scatter(self, shard: nn.Parameter, grad_full: Tensor) -> None:
         """Start summing `grad_full / world_size` over ranks into this rank's slice."""
@@ -323,7 +363,7 @@ class FullyShardedDataParallel(nn.Module):
             return saved
         use = saved.use
         if use.full is None:
-            use.full = self._all_gather(use.shard)
+            use.full = self._whole(use.shard)
         return use.full.as_strided(saved.size, saved.stride, saved.offset)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -350,11 +390,13 @@ class FullyShardedDataParallel(nn.Module):
     def clip_grad_norm_(self, max_norm: float) -> Tensor:
         """Scale every slice's gradient so that the whole model's gradient norm is at most
         `max_norm`; returns that norm (before scaling), the same on every rank. Each rank holds
-        only its slices, so the squared norms are summed across ranks first."""
+        only its slices, so the squared norms are summed across ranks first (a replicated
+        parameter's counted on rank 0 only)."""
         grads = [p.grad for p in self.parameters() if p.grad is not None]
         squares = torch.zeros((), device=grads[0].device if grads else None)
-        for g in grads:
-            squares += g.double().pow(2).sum().float()
+        for p in self.parameters():
+            if p.grad is not None and (self.rank == 0 or not self._shards[p].replicated):
+                squares += p.grad.double().pow(2).sum().float()
         dist.all_reduce(squares)
         norm = squares.sqrt()
         scale = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
@@ -374,7 +416,7 @@ class FullyShardedDataParallel(nn.Module):
         for name, t in self.module.state_dict(keep_vars=True).items():
             if t in self._shards:
                 if t not in gathered:
-                    gathered[t] = self._all_gather(t, torch.float32).clone()
+                    gathered[t] = self._whole(t, torch.float32).clone()
                 state[name] = gathered[t]
             else:
                 state[name] = t.detach().clone()

@@ -21,8 +21,8 @@ import torch
 from torch import Tensor
 
 from transformer_course import validate
-from transformer_course.gpt2 import GPT2Config
-from transformer_course.llama import LlamaConfig
+from transformer_course.gpt2 import GPT2, GPT2Config
+from transformer_course.llama import Llama, LlamaConfig
 
 __all__ = [
     "FLOAT32_BYTES",
@@ -251,6 +251,7 @@ def collective_bytes_per_step(
     *,
     world_size: int,
     compute_bytes: int = FLOAT32_BYTES,
+    replicate_below: int = 0,
 ) -> dict[str, int]:
     """The bytes each rank hands to each kind of collective in one training step (the payloads
     `ranks.CollectiveBytes` counts), by strategy, with N parameters:
@@ -262,7 +263,9 @@ def collective_bytes_per_step(
       compute dtype (`compute_bytes` per parameter, a tied one once per use) and at most once
       more in the backward (only where the backward needs it: a bias's gradient needs no
       weight, and einsum keeps its own copies), and every use's gradient reduce-scattered in
-      float32. The gathers' count is an upper bound: 2 compute_bytes N.
+      float32. The gathers' count is an upper bound: 2 compute_bytes N. Parameters with fewer
+      than `replicate_below` elements stay whole on every rank: no gather, and each use's
+      gradient all-reduced in float32 instead of reduce-scattered.
 
     Each parameter is padded to a multiple of `world_size` elements under FSDP, and
     `DataParallel` sends one flag per parameter tensor with its gradients: a few bytes more than
@@ -273,6 +276,7 @@ def collective_bytes_per_step(
     _is_gpt2(cfg)
     validate.positive_int("world_size", world_size)
     validate.positive_int("compute_bytes", compute_bytes)
+    validate.integer("replicate_below", replicate_below, low=0)
     n = param_count(cfg)
     gradients = {"all_reduce": FLOAT32_BYTES * n}
     if parallel == "ddp":
@@ -280,9 +284,25 @@ def collective_bytes_per_step(
     if parallel == "zero1":
         return {**gradients, "broadcast": FLOAT32_BYTES * n}
     if parallel == "fsdp":
-        uses = n + (cfg.d_vocab * cfg.d_model if cfg.tie_embeddings else 0)
-        return {"all_gather": 2 * compute_bytes * uses, "reduce_scatter": FLOAT32_BYTES * uses}
+        tied = cfg.d_vocab * cfg.d_model if cfg.tie_embeddings else 0  # W_E used twice
+        uses = n + tied
+        replicated = _elements_below(cfg, replicate_below)
+        replicated += tied if tied < replicate_below else 0
+        sharded = uses - replicated
+        counts = {"all_gather": 2 * compute_bytes * sharded}
+        counts["reduce_scatter"] = FLOAT32_BYTES * sharded
+        if replicated:
+            counts["all_reduce"] = FLOAT32_BYTES * replicated
+        return counts
     raise ValueError(f"parallel: expected 'ddp', 'zero1' or 'fsdp', got {parallel!r}")
+
+
+def _elements_below(cfg: GPT2Config | LlamaConfig, threshold: int) -> int:
+    """The elements of the model's parameter tensors (a tied one once) with fewer than
+    `threshold` elements each, from the model's own shapes (built on the meta device)."""
+    with torch.device("meta"):
+        model = GPT2(cfg) if _is_gpt2(cfg) else Llama(cfg)
+    return sum(p.numel() for p in model.parameters() if p.numel() < threshold)
 
 
 def _is_gpt2(cfg: Any) -> bool:

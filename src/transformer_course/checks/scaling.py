@@ -13,12 +13,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from transformer_course import data_parallel, step_cost
+from transformer_course import data_parallel, flash_attention, step_cost
 from transformer_course.checks.harness import (
     CheckFailure,
     call,
@@ -58,7 +59,13 @@ SHAPES = {  # (n_queries, n_keys, causal): ragged tiles, more keys than queries
     "37 queries, 37 keys, causal": (37, 37, True),
     "5 queries, 29 keys": (5, 29, False),
     "5 queries, 29 keys, causal (the last 5 positions)": (5, 29, True),
+    "32 queries, 32 keys, causal (tiles that divide them)": (32, 32, True),
+    "29 queries, 5 keys": (29, 5, False),
 }
+# (n_queries, n_keys, q_tile, k_tile), causal: tile starts on, before and past the diagonal of
+# every alignment, tiles that divide the lengths and tiles that do not, as many keys and more
+CAUSAL_TILINGS = [(10, 10, 4, 3), (10, 10, 3, 4), (12, 12, 4, 4), (12, 12, 3, 2), (7, 13, 3, 4)]
+CAUSAL_TILINGS += [(5, 13, 2, 3), (6, 13, 4, 5), (9, 9, 9, 1), (9, 9, 1, 9)]
 RANKS_TIMEOUT = 90  # seconds: a check on two ranks takes a few
 HANG_HINT = "every rank must start the same collectives, in the same order, on tensors of the "
 HANG_HINT += "same size; a rank that skips one (or waits for one the other never starts) hangs."
@@ -241,10 +248,72 @@ def _expect_pair(where: str, got: Any, shapes: tuple) -> tuple[Tensor, Tensor]:
     return got
 
 
+def _seen_problem(seen: Tensor, missing_hint: str) -> tuple[str, str] | None:
+    """What is wrong with the keys each query met (`seen`, n_queries x n_keys, causal), as
+    (problem, hint), or None."""
+    n_q, n_k = seen.shape
+    expected = causal_mask(n_q, n_k)
+    if torch.equal(seen, expected):
+        return None
+    own = torch.eye(n_q, n_k, dtype=torch.bool).roll(n_k - n_q, dims=1)  # key i + n_k - n_q
+    if torch.equal(seen, expected & ~own):
+        problem = "no query met the key at its own position (the diagonal)."
+        return problem, "query i sees keys j <= i + n_keys - n_queries: <=, not <."
+    i, j = (int(x) for x in (seen ^ expected).nonzero()[0])
+    if seen[i, j]:
+        problem = f"query {i} met key {j}, after its own position."
+        return problem, "mask the keys j > i + n_keys - n_queries in the tiles on the diagonal."
+    return f"query {i} never met key {j}, at or before its own position.", missing_hint
+
+
+def _probe_forward(forward: Callable, n_q: int, n_k: int, q_tile: int, k_tile: int) -> None:
+    """Which keys each query of a causal forward met: with q = 0 every score is 0, and with v
+    the identity (d = n_keys) row i of the output is 1/count over the keys query i saw."""
+    q, k = torch.zeros(1, 1, n_q, n_k, dtype=torch.float64), randn(1, 1, n_k, n_k, seed=1)
+    v = torch.eye(n_k, dtype=torch.float64).expand(1, 1, n_k, n_k)
+    where = f"flash_attention_forward({n_q} queries, {n_k} keys, causal, "
+    where += f"q_tile={q_tile}, k_tile={k_tile})"
+    got = call(where, forward, q, k, v, True, q_tile=q_tile, k_tile=k_tile)
+    out, _ = _expect_pair(where, got, (tuple(q.shape), tuple(q.shape[:-1])))
+    hint = "the key loop stops short: query tile [i0, i1) needs every key tile that starts "
+    hint += "before min(n_keys, i1 + n_keys - n_queries), the last key its last query sees "
+    hint += "included (a key tile may start exactly there)."
+    found = _seen_problem(out[0, 0] > 0.5 / n_k, hint)
+    if found:
+        expect(False, where, *found)
+
+
+def _probe_backward(backward: Callable, n_q: int, n_k: int, q_tile: int, k_tile: int) -> None:
+    """Which (query, key) pairs a causal backward visited: with q = 0 every pattern row is
+    1/count over the keys the query sees, and with dO the identity (d = n_queries), dV = P^T dO
+    holds P itself, 0 where a pair was skipped."""
+    q, k = torch.zeros(1, 1, n_q, n_q, dtype=torch.float64), randn(1, 1, n_k, n_q, seed=2)
+    v = randn(1, 1, n_k, n_q, seed=3)
+    out, lse = _attention(q, k, v, True)
+    grad_out = torch.eye(n_q, dtype=torch.float64).expand(1, 1, n_q, n_q)
+    where = f"flash_attention_backward({n_q} queries, {n_k} keys, causal, "
+    where += f"q_tile={q_tile}, k_tile={k_tile})"
+    got = call(where, backward, q, k, v, out, lse, grad_out, True, q_tile=q_tile, k_tile=k_tile)
+    expect(isinstance(got, tuple) and len(got) == 3, where, f"expected (dq, dk, dv), got {got}.")
+    hint = "the query tiles that meet key tile [j0, j1) start at the first one whose last query "
+    hint += "sees key j0: i1 - 1 + n_keys - n_queries >= j0 (no tile later)."
+    found = _seen_problem(got[2][0, 0].transpose(0, 1) > 0.5 / n_k, hint)
+    if found:
+        expect(False, where, *found)
+
+
+def _error_against(got: Tensor, exact: Tensor) -> float:
+    return (got.double() - exact).abs().max().item()
+
+
 def check_flash_attention_forward(forward: Callable) -> None:
-    """The tiled forward: its output and L against plain attention in float64 (1e-10), tiles
-    that do not divide the lengths, causal with more keys than queries; never an
-    n_queries x n_keys tensor; half precision in, half out, L float32."""
+    """The tiled forward: which keys each causal query meets, tile starts at every alignment
+    with the diagonal; its output and L against plain attention in float64 (1e-10), tiles that
+    divide the lengths and tiles that do not, more keys than queries and fewer; never an
+    n_queries x n_keys tensor; half precision in, half out, L float32 and as close as float32
+    accumulation gets it."""
+    for n_q, n_k, q_tile, k_tile in CAUSAL_TILINGS:
+        _probe_forward(forward, n_q, n_k, q_tile, k_tile)
     for seed, (label, (n_q, n_k, causal)) in enumerate(SHAPES.items()):
         q, k, v = _qkv(n_q, n_k, seed=10 * seed)
         where = f"flash_attention_forward({label}, q_tile=16, k_tile=8)"
@@ -277,13 +346,17 @@ def check_flash_attention_forward(forward: Callable) -> None:
         f"L is {lse.dtype}, not float32.",
         "keep L in float32: the backward exponentiates against it.",
     )
-    expect_close(
-        out.double(),
-        _attention(*(t.double() for t in (q, k, v)), True)[0],
-        where,
-        "accumulate in float32 (upcast each tile).",
-        atol=2e-3,
+    exact = _attention(*(t.double() for t in (q, k, v)), True)
+    hint = "accumulate in float32: upcast each tile of q, k and v, and cast only the output."
+    expect_close(out.double(), exact[0], where, hint, atol=2e-3)
+    # float32 accumulation gets L within ~1e-6; float16 arithmetic ~1e-3 (its rounding).
+    ours = _error_against(
+        flash_attention.flash_attention_forward(q, k, v, True, **TILES)[1], exact[1]
     )
+    error = _error_against(lse, exact[1])
+    problem = f"L is {error:.2g} from the exact log-sum-exp; float32 accumulation gets "
+    problem += f"{ours:.2g}: the scores were computed in float16."
+    expect(error <= 10 * ours + 1e-4, where, problem, hint)
     passed("flash_attention_forward")
 
 
@@ -325,7 +398,11 @@ def _backward_mistakes(q, k, v, causal, grad_out) -> dict[str, tuple[Tensor, ...
 def check_flash_attention_backward(backward: Callable) -> None:
     """The backward from q, k, v, O and L: dq, dk and dv against autograd through plain
     attention in float64 (1e-10), the same shapes as the forward's check; never an
-    n_queries x n_keys tensor."""
+    n_queries x n_keys tensor; which (query, key) tile pairs a causal backward visits, tile
+    starts at every alignment with the diagonal; float16 in and out, as close as float32
+    accumulation gets."""
+    for n_q, n_k, q_tile, k_tile in CAUSAL_TILINGS:
+        _probe_backward(backward, n_q, n_k, q_tile, k_tile)
     for seed, (label, (n_q, n_k, causal)) in enumerate(SHAPES.items()):
         q, k, v = _qkv(n_q, n_k, seed=10 * seed + 1)
         grad_out = randn(*q.shape, seed=seed + 99)
@@ -346,13 +423,16 @@ def check_flash_attention_backward(backward: Callable) -> None:
         problem = f"it made a tensor of shape {found}: a whole {n_q} x {n_k} pattern per head."
         hint = "recompute P tile by tile; D = rowsum(dO * O) is one number per query."
         expect(not patterns.found, where, problem, hint)
-    q, k, v = _qkv(20, 20, seed=4)
-    grad_out = randn(*q.shape, seed=5)
+    q, k, v, grad_out = (t.half().double() for t in (*_qkv(20, 20, seed=4), randn(2, 3, 20, 8)))
     out, lse = _attention(q, k, v, True)
     where = "flash_attention_backward(float16 inputs)"
     half = [t.half() for t in (q, k, v, out)]
     got = call(where, backward, *half, lse.float(), grad_out.half(), True, **TILES)
-    for name, grad, wanted in zip("qkv", got, _gradients(q, k, v, True, grad_out)):
+    ours = flash_attention.flash_attention_backward(
+        *half, lse.float(), grad_out.half(), True, **TILES
+    )
+    exact = _gradients(q, k, v, True, grad_out)
+    for name, grad, wanted, our in zip("qkv", got, exact, ours):
         problem = f"d{name} is {describe(grad)}, not float16 like {name}."
         expect(
             grad.dtype == torch.float16,
@@ -362,6 +442,11 @@ def check_flash_attention_backward(backward: Callable) -> None:
         )
         hint = "accumulate in float32 (upcast each tile), then cast the gradients back."
         expect_close(grad.double(), wanted, f"{where}: d{name}", hint, atol=2e-2)
+        # float16 arithmetic throughout is 4 to 16 times further off than float32 accumulation
+        error, bound = _error_against(grad, wanted), 3 * _error_against(our, wanted) + 5e-4
+        problem = f"d{name} is {error:.2g} from the exact gradient; float32 accumulation gets "
+        problem += f"{bound:.2g} at most: it was computed in float16."
+        expect(error <= bound, f"{where}: d{name}", problem, hint)
     passed("flash_attention_backward")
 
 
@@ -378,14 +463,18 @@ def check_flash_attention_function(function: type) -> None:
             saved.append(tuple(t.shape))
             return t
 
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        patterns = {"forward": _Patterns(n_q, n_k), "backward": _Patterns(n_q, n_k)}
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), patterns["forward"]:
             hint = "forward(ctx, q, k, v, causal, q_tile, k_tile): the tile sizes follow causal."
             out = call(where, function.apply, q, k, v, causal, *TILES.values(), hint=hint)
         expect(isinstance(out, Tensor), where, f"expected a tensor, got {describe(out)}.")
         grad_out = randn(*q.shape, seed=seed + 5)
         hint = "backward returns one gradient per input of forward: dq, dk, dv, then None for "
         hint += "causal, q_tile and k_tile; and passes the tile sizes on to the backward."
-        grads = call(f"{where}, backward", torch.autograd.grad, out, (q, k, v), grad_out, hint=hint)
+        with patterns["backward"]:
+            grads = call(
+                f"{where}, backward", torch.autograd.grad, out, (q, k, v), grad_out, hint=hint
+            )
         expected = _attention(q.detach(), k.detach(), v.detach(), causal)[0]
         expect_close(out, expected, where, "call your flash_attention_forward.", atol=1e-10)
         for name, got, wanted in zip("qkv", grads, _gradients(q, k, v, causal, grad_out)):
@@ -410,6 +499,11 @@ def check_flash_attention_function(function: type) -> None:
         problem = f"expected q and the output saved (two tensors of shape {tuple(q.shape)}); "
         problem += f"saved {saved}."
         expect(saved.count(tuple(q.shape)) >= 2, where, problem, hint)
+        for step, found in patterns.items():
+            problem = f"its {step} made a tensor of shape {found.found[:1]}: a whole pattern."
+            hint = f"pass q_tile and k_tile on to flash_attention_{step} (keep them on ctx for "
+            hint += "the backward): with the default tiles one tile holds every key here."
+            expect(not found.found, where, problem, hint)
     passed("FlashAttention")
 
 
@@ -577,6 +671,53 @@ def _finisher(where: str, wrapper: nn.Module) -> Callable[[], None]:
     return lambda: call(name, wrapper.finish_gradient_synchronization)
 
 
+class _AllReduces:
+    """Record, while in use, how each `dist.all_reduce` is started (`async_op`, in the backward
+    or in `finish_gradient_synchronization`) and where its work is waited on."""
+
+    def __init__(self) -> None:
+        self.phase, self.started, self.waited = "backward", [], []
+
+    def finisher(self, finish: Callable[[], None]) -> Callable[[], None]:
+        """`finish`, with the phase it runs in recorded."""
+
+        def run() -> None:
+            self.phase = "finish"
+            finish()
+            self.phase = "backward"
+
+        return run
+
+    def __enter__(self) -> _AllReduces:
+        self._original = dist.all_reduce
+
+        def all_reduce(tensor: Tensor, *args: Any, **kwargs: Any) -> Any:
+            asynchronous = bool(kwargs.get("async_op", args[2] if len(args) > 2 else False))
+            self.started.append((self.phase, asynchronous))
+            work = self._original(tensor, *args, **kwargs)
+            return _RecordedWork(work, self) if work is not None else None
+
+        dist.all_reduce = all_reduce
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        dist.all_reduce = self._original
+
+
+class _RecordedWork:
+    """A collective's work that notes the phase its `wait()` is called in."""
+
+    def __init__(self, work: Any, record: _AllReduces) -> None:
+        self._work, self._record = work, record
+
+    def wait(self, *args: Any, **kwargs: Any) -> Any:
+        self._record.waited.append(self._record.phase)
+        return self._work.wait(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._work, name)
+
+
 def _data_parallel_worker(rank: int, cls: type) -> dict:
     results = {}
     for bucket_size_mb in (None, 0.002):
@@ -584,8 +725,10 @@ def _data_parallel_worker(rank: int, cls: type) -> dict:
         torch.manual_seed(rank)  # each rank its own weights: the broadcast must fix that
         model = GPT2(DIST_CFG)
         dp = call(where, cls, model, bucket_size_mb=bucket_size_mb)
-        finish = _finisher(where, dp)
-        results[bucket_size_mb] = _train_wrapped(dp, rank, finish)
+        with _AllReduces() as record:
+            finish = record.finisher(_finisher(where, dp))
+            results[bucket_size_mb] = _train_wrapped(dp, rank, finish)
+        results[f"all-reduces {bucket_size_mb}"] = (record.started, record.waited)
         torch.manual_seed(rank)
         branchy = call(where, cls, Branchy(), bucket_size_mb=bucket_size_mb)
         finish = _finisher(where, branchy)
@@ -620,7 +763,8 @@ def check_data_parallel(cls: type) -> None:
     """On two gloo ranks: rank 0's weights broadcast; after 3 SGD steps on each rank's half of
     the batch, the weights of one process trained on the whole batch (1e-5), bucketed and not;
     a shared matrix reduced once, unused parameters without gradient, one used on one rank
-    averaged over both."""
+    averaged over both; each all-reduce started with async_op=True in the backward and waited
+    on in finish_gradient_synchronization."""
     results = _on_two_ranks("DataParallel", _data_parallel_worker, cls)
     expected = _train(_initial(), None, None)
     mistakes = {
@@ -641,6 +785,24 @@ def check_data_parallel(cls: type) -> None:
                 f"the ranks' `{key}` differ after training.",
                 "every rank must end each step with the same averaged gradients.",
             )
+        started, waited = results[0][f"all-reduces {bucket_size_mb}"]
+        where = f"DataParallel(bucket_size_mb={bucket_size_mb})"
+        blocking = [phase for phase, asynchronous in started if not asynchronous]
+        problem = f"{len(blocking)} of its {len(started)} all-reduces blocked until done."
+        hint = "start each bucket's all-reduce with dist.all_reduce(flat, async_op=True) and keep "
+        hint += "the work in bucket.work: the backward then goes on while it runs."
+        expect(not blocking, where, problem, hint)
+        problem = "every all-reduce started in finish_gradient_synchronization, after the backward."
+        hint = "_start(bucket) starts the bucket's all-reduce as soon as it is full (in the "
+        hint += "backward); finish_gradient_synchronization only starts the buckets still waiting."
+        # none recorded: the answer calls an all_reduce imported by name, which goes unseen
+        in_backward = not started or any(phase == "backward" for phase, _ in started)
+        expect(in_backward, where, problem, hint)
+        early = waited.count("backward")
+        problem = f"{early} all-reduces were waited on during the backward, in _start."
+        hint = "wait for bucket.work in finish_gradient_synchronization: waiting in _start "
+        hint += "leaves nothing to overlap with the rest of the backward."
+        expect(not early, where, problem, hint)
     own = []  # each rank's own gradients, from rank 0's weights
     for rank in (0, 1):
         torch.manual_seed(0)
@@ -714,6 +876,15 @@ OPTIMIZERS = {
 }
 
 
+def _params_with_state(optimizer: Any) -> set[int]:
+    """The ids of the parameters for which `optimizer`, or an optimizer it holds, keeps state."""
+    kept = set()
+    for held in [optimizer, *vars(optimizer).values()]:
+        if isinstance(held, torch.optim.Optimizer):
+            kept |= {id(p) for p, state in held.state.items() if state}
+    return kept
+
+
 def _sharded_worker(rank: int, cls: type) -> dict:
     results = {}
     for label, (optimizer_cls, kwargs) in OPTIMIZERS.items():
@@ -723,6 +894,11 @@ def _sharded_worker(rank: int, cls: type) -> dict:
         step = optimizer.step
         optimizer.step = lambda step=step, where=where: call(f"{where}.step", step)
         results[label] = _optimize(model, optimizer)
+        kept = _params_with_state(optimizer)
+        owners = getattr(optimizer, "owner", {})
+        results[f"{label} state"] = [
+            n for n, p in model.named_parameters() if id(p) in kept and owners.get(p) != rank
+        ]
     lone = nn.Parameter(torch.ones(3))  # one parameter: one of the ranks owns nothing
     where = "ShardedOptimizer([one parameter], SGD, lr=0.1)"
     optimizer = call(where, cls, [lone], torch.optim.SGD, lr=0.1)
@@ -737,7 +913,8 @@ def _sharded_worker(rank: int, cls: type) -> dict:
 def check_sharded_optimizer(cls: type) -> None:
     """On two gloo ranks, the same gradients: after 3 steps (two parameter groups, a schedule
     that halves the lr and the weight decay) the weights of the unsharded optimizer (1e-6), AdamW
-    and SGD; and a rank that owns no parameter."""
+    and SGD, each rank's optimizer state only for the parameters it owns; and a rank that owns
+    no parameter."""
     results = _on_two_ranks("ShardedOptimizer", _sharded_worker, cls)
     for label, (optimizer_cls, kwargs) in OPTIMIZERS.items():
         model = _toy()
@@ -766,6 +943,11 @@ def check_sharded_optimizer(cls: type) -> None:
         for rank in (0, 1):
             where = f"ShardedOptimizer with {label}, rank {rank}"
             _expect_states(where, results[rank][label], expected, mistakes, atol=1e-6)
+            others = results[rank][f"{label} state"]
+            problem = f"it keeps optimizer state for {others}, which rank {1 - rank} owns."
+            hint = "step self.optimizer, this rank's optimizer over the parameters it owns: "
+            hint += "each rank keeps the state of its own share only (that is the saving)."
+            expect(not others, where, problem, hint)
     for rank in (0, 1):
         where = f"ShardedOptimizer over one parameter, rank {rank}"
         hint = "broadcast each parameter from its owner after the step."
@@ -782,6 +964,14 @@ def _fsdp_worker(rank: int, cls: type) -> dict:
         numels = {n: p.numel() for n, p in model.named_parameters()}
         fsdp = call(where, cls, model, compute_dtype=dtype)
         shards = {n: p.numel() for n, p in fsdp.named_parameters()}
+        for name, numel in numels.items():  # before any collective meets a slice too short
+            kept = shards.get(f"module.{name}", numel)
+            problem = f"`{name}` ({numel} elements) is kept as {kept} elements per rank: the "
+            problem += f"last {numel - 2 * kept} are on no rank."
+            hint = "pad the flat parameter with zeros to a multiple of the world size and keep "
+            hint += "ceil(numel / world_size) elements per rank: numel // world_size loses the "
+            hint += "remainder."
+            expect(2 * kept >= numel, where, problem, hint)
         stored = {
             n: p.untyped_storage().nbytes() // p.element_size() for n, p in fsdp.named_parameters()
         }
@@ -798,9 +988,9 @@ def _fsdp_worker(rank: int, cls: type) -> dict:
 
 
 def check_fsdp(cls: type) -> None:
-    """On two gloo ranks: each keeps half of every parameter (padded); after 3 SGD steps on
-    each rank's half of the batch, the gathered weights of one process trained on the whole
-    batch: 1e-5 computing in float32, 2e-3 in float16."""
+    """On two gloo ranks: each keeps half of every parameter (padded: the remainder kept);
+    after 3 SGD steps on each rank's half of the batch, the gathered weights of one process
+    trained on the whole batch: 1e-5 computing in float32, 2e-3 in float16."""
     results = _on_two_ranks("FullyShardedDataParallel", _fsdp_worker, cls)
     expected = _train(_initial(), None, None)
     mistakes = {
