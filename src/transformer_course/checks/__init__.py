@@ -3,8 +3,10 @@ that the learner's code passes or raises `CheckFailure` with a hint naming the l
 Every chapter module's `check_*` functions are re-exported here, with `CheckFailure`."""
 
 from transformer_course.checks import (
+    assistant,
     attention,
     gpt2,
+    interpretability,
     layernorm,
     llama,
     masking,
@@ -14,7 +16,8 @@ from transformer_course.checks import (
 from transformer_course.checks.harness import CheckFailure
 
 __all__ = ["CheckFailure"]
-for _chapter in (tokenization, attention, masking, layernorm, translation, gpt2, llama):
+_CHAPTERS = (tokenization, attention, masking, layernorm, translation, gpt2, llama, assistant)
+for _chapter in (*_CHAPTERS, interpretability):
     _checkers = {name: fn for name, fn in vars(_chapter).items() if name.startswith("check_")}
     globals().update(_checkers)
     __all__ += sorted(_checkers)
