@@ -80,3 +80,15 @@ def test_bad_settings_are_refused():
         task_splits(0, max_operand=20, harder_max_operand=20)
     with pytest.raises(ValueError, match="held_out"):
         task_splits(0, held_out=0.0)
+
+
+def test_harder_by_sum_keeps_the_digits_and_raises_the_answers():
+    splits = task_splits(1, max_operand=10, harder_sum=10, held_out=0.4)
+    easy = splits["train"] + splits["held_out"]
+    harder = splits["harder_train"] + splits["harder"]
+    assert len(easy) == 55 and len(harder) == 45 and len(splits["harder"]) == 18
+    assert all(p.answer < 10 for p in easy) and all(p.answer >= 10 for p in harder)
+    assert len({p.prompt for p in easy + harder}) == 100
+    assert splits == task_splits(1, max_operand=10, harder_sum=10, held_out=0.4)
+    with pytest.raises(ValueError, match="harder_sum"):
+        task_splits(0, max_operand=10, harder_sum=19)

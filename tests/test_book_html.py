@@ -20,8 +20,10 @@ For every page:
   * inline code keeps its spaces (` Hello`, a token with its leading space, is not `Hello`);
   * one printout is one box: no cell shows its printed output split over several boxes;
   * every image is a numbered figure with a caption, and its text reads on the phone: as shown
-    at 390 px, a plot's 10 pt text (14 px in a PNG made at 100 dpi; so a plot at most about 600
-    px wide) and a drawing's smallest font are 8 px or more;
+    at 390 px, a plot's smallest text (the height of a digit, tick labels, legends, colour bars
+    and a log axis's superscripts included, stored in the PNG by `figures.show`, which measured
+    it while drawing) and a drawing's smallest font size are 8 px or more; a PNG not made by
+    `figures.show` is refused;
   * every part a chapter's exercise box lists is named in the chapter's text (not only in code
     or in the box), where its idea is taught.
 Every chapter has learning objectives and a summary.
@@ -46,6 +48,8 @@ from urllib.parse import unquote, urlsplit
 
 import pytest
 from book_site import toc_pages
+
+from transformer_course.figures import SMALLEST_TEXT_KEY, smallest_text_px
 
 ROOT = Path(__file__).resolve().parents[1]
 SITE = ROOT / "_build" / "html"
@@ -400,7 +404,6 @@ async () => {
 }
 """
 PHONE_TEXT_PX = 8  # the smallest text a figure may show on a 390 px phone
-PLOT_TEXT_PX = 10 * 100 / 72  # matplotlib's default 10 pt text in a PNG made at 100 dpi
 SVG_FONT = re.compile(r'font-size="(\d+(?:\.\d+)?)"')
 SVG_VIEWBOX = re.compile(r'viewBox="[\d.]+ [\d.]+ ([\d.]+) [\d.]+"')
 
@@ -413,9 +416,12 @@ def figure_problem(figure: dict, width: int) -> str | None:
     if width >= 960:
         return None
     if src.endswith(".png"):
-        shown = PLOT_TEXT_PX * figure["shown"] / figure["natural"]
+        smallest = smallest_text_px(SITE / unquote(src).lstrip("/"))
+        if smallest is None:
+            return f"a plot not shown through figures.show (no {SMALLEST_TEXT_KEY}): {src}"
+        shown = smallest * figure["shown"] / figure["natural"]
         if shown < PHONE_TEXT_PX:
-            return f"a plot whose 10 pt text shows at {shown:.1f} px at {width} px: {src}"
+            return f"a plot whose smallest text shows {shown:.1f} px tall at {width} px: {src}"
     if src.endswith(".svg"):
         drawing = (SITE / unquote(src).lstrip("/")).read_text(encoding="utf-8")
         smallest = min(float(size) for size in SVG_FONT.findall(drawing))

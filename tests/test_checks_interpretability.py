@@ -9,24 +9,33 @@ import pytest
 import torch
 from checking import fails
 
-from transformer_course import ablation, attribution, head_detectors, patching
+from transformer_course import ablation, attribution, circuits, head_detectors, hooks, patching
 from transformer_course.checks.interpretability import (
     check_ablation_hook,
     check_first_token_scores,
     check_induction_scores,
+    check_k_composition_scores,
     check_logit_attribution,
+    check_patch_head_all_pos,
     check_patch_residual,
     check_prev_token_scores,
+    check_repeat_losses,
+    check_run_with_hooks,
 )
+from transformer_course.runtime import evaluating
 
 pytestmark = pytest.mark.filterwarnings("ignore:HookedTransformer is deprecated:DeprecationWarning")
 CHECKS = {
+    check_run_with_hooks: (hooks.run_with_hooks, "run_with_hooks"),
     check_prev_token_scores: (head_detectors.prev_token_scores, "prev_token_scores"),
     check_first_token_scores: (head_detectors.first_token_scores, "first_token_scores"),
     check_induction_scores: (head_detectors.induction_scores, "induction_scores"),
+    check_repeat_losses: (head_detectors.repeat_losses, "repeat_losses"),
     check_logit_attribution: (attribution.logit_attribution, "logit_attribution"),
     check_ablation_hook: (ablation.ablation_hook, "ablation_hook"),
     check_patch_residual: (patching.patch_residual, "patch_residual"),
+    check_patch_head_all_pos: (patching.patch_head_all_pos, "patch_head_all_pos"),
+    check_k_composition_scores: (circuits.k_composition_scores, "k_composition_scores"),
 }
 
 
@@ -129,3 +138,123 @@ def test_ablation_hook_that_returns_nothing_is_named():
         return hook
 
     fails(check_ablation_hook, forgets, "returned NoneType", "return the edited z")
+
+
+def _run_with_hooks(*, skip_unknown=False, check_returns=True, remove=True, use_hooks=True):
+    """`run_with_hooks` as a learner might write it, each safeguard optional."""
+
+    def run(model, tokens, fwd_hooks):
+        if skip_unknown:  # a misspelt name quietly hooks nothing
+            fwd_hooks = {n: fn for n, fn in fwd_hooks.items() if n in model.hook_dict}
+
+        def returning(fn):
+            def hook(act, hook):
+                out = fn(act, hook)
+                if not isinstance(out, torch.Tensor):
+                    raise TypeError(f"the hook returned {type(out).__name__}")
+                return out
+
+            return hook
+
+        pairs = [(n, returning(fn) if check_returns else fn) for n, fn in fwd_hooks.items()]
+        with evaluating(model):
+            if not use_hooks:
+                return model(tokens)
+            if not remove:
+                for n, fn in pairs:
+                    model.add_hook(n, fn)
+                return model(tokens)
+            return model.run_with_hooks(tokens, fwd_hooks=pairs)
+
+    return run
+
+
+def test_run_with_hooks_mistakes_are_named():
+    check_run_with_hooks(_run_with_hooks())  # written out with TransformerLens's own calls
+    fails(check_run_with_hooks, _run_with_hooks(use_hooks=False), "changed nothing")
+    fails(check_run_with_hooks, _run_with_hooks(remove=False), "stayed on the model")
+    fails(check_run_with_hooks, _run_with_hooks(skip_unknown=True), "misspelt", "accepted")
+    fails(check_run_with_hooks, _run_with_hooks(check_returns=False), "returns nothing")
+
+
+def test_repeat_losses_mistakes_are_named():
+    def by_index(loss, seg_len):  # positions of the predicted tokens, counted from the end
+        pos = loss.shape[-1] + 1
+        second = torch.arange(pos - seg_len + 1, pos) - 1
+        return loss[:, second - seg_len], loss[:, second]
+
+    check_repeat_losses(by_index)
+    fails(check_repeat_losses, lambda loss, s: (loss[:, -2 * s : -s], loss[:, -s:]), "first token")
+    one_off = lambda loss, s: (loss[:, -(2 * s - 1) : -s], loss[:, -s:-1])  # noqa: E731
+    fails(check_repeat_losses, one_off, "one off")
+    from_start = lambda loss, s: (loss[:, : s - 1], loss[:, -(s - 1) :])  # noqa: E731
+    fails(check_repeat_losses, from_start, "with BOS")
+
+
+def _patch_heads_with(where):
+    """`patch_head_all_pos` with the patched slice of `hook_z` chosen by `where(head)`."""
+
+    def patch(model, clean_tokens, corrupted_tokens, metric):
+        n_layers, n_heads = model.cfg.n_layers, model.cfg.n_heads
+        results = torch.zeros(n_layers, n_heads)
+        for layer in range(n_layers):
+            name = f"blocks.{layer}.attn.hook_z"
+            _, cache = model.run_with_cache(clean_tokens, names_filter=[name])
+            for head in range(n_heads):
+
+                def hook(z, hook, head=head, name=name, cache=cache):
+                    z = z.clone()
+                    z[where(head)] = cache[name][where(head)]
+                    return z
+
+                with torch.no_grad():
+                    logits = model.run_with_hooks(corrupted_tokens, fwd_hooks=[(name, hook)])
+                results[layer, head] = float(metric(logits))
+        return results
+
+    return patch
+
+
+def test_patching_every_head_or_a_position_is_named():
+    check_patch_head_all_pos(_patch_heads_with(lambda h: (slice(None), slice(None), h)))
+    fails(check_patch_head_all_pos, _patch_heads_with(lambda h: (slice(None),)), "every head")
+    fails(check_patch_head_all_pos, _patch_heads_with(lambda h: (slice(None), h)), "position h")
+
+
+def _composition_with(product, normalise=True, transpose=False):
+    """K-composition scores computed head pair by head pair with `product(W_OV_a, layer_b, b)`."""
+
+    def scores(model, layer_a=0, layer_b=1):
+        n = model.cfg.n_heads
+        out = torch.zeros(n, n, dtype=model.embed.W_E.dtype)
+        for a in range(n):
+            attn_a = model.blocks[layer_a].attn
+            W_OV = attn_a.W_V[a] @ attn_a.W_O[a]
+            for b in range(n):
+                attn_b = model.blocks[layer_b].attn
+                W_QK, W_OV_b = attn_b.W_Q[b] @ attn_b.W_K[b].T, attn_b.W_V[b] @ attn_b.W_O[b]
+                W, other = product(W_OV, W_QK, W_OV_b)
+                size = (
+                    torch.linalg.norm(W)
+                    if not normalise
+                    else torch.linalg.norm(W) / (torch.linalg.norm(W_OV) * torch.linalg.norm(other))
+                )
+                out[a, b] = size
+        return out.T if transpose else out
+
+    return scores
+
+
+def test_composition_mistakes_are_named():
+    k = lambda ov, qk, ov_b: (qk @ ov.T, qk)  # noqa: E731
+    check_k_composition_scores(_composition_with(k))
+    fails(check_k_composition_scores, _composition_with(lambda ov, qk, ov_b: (ov @ qk, qk)), "Q-")
+    v = lambda ov, qk, ov_b: (ov @ ov_b, ov_b)  # noqa: E731
+    fails(check_k_composition_scores, _composition_with(v), "V-composition")
+    fails(
+        check_k_composition_scores,
+        _composition_with(lambda ov, qk, ov_b: (qk @ ov, qk)),
+        "transpose",
+    )
+    fails(check_k_composition_scores, _composition_with(k, normalise=False), "norms")
+    fails(check_k_composition_scores, _composition_with(k, transpose=True), "not the transpose")

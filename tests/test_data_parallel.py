@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from transformer_course.checks.scaling import Branchy
+from transformer_course.checks.data_parallel import Branchy
 from transformer_course.data_parallel import (
     DataParallel,
     check_same_parameters,

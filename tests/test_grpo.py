@@ -65,7 +65,7 @@ def test_an_update_raises_the_log_prob_of_advantaged_responses(tokenizer):
     model, problems = _model(tokenizer), SPLITS["train"][:2]
     end = tokenizer.special_tokens[END]
     prompt_ids = [tokenizer.encode(chat_prompt(p.prompt)) for p in problems for _ in range(2)]
-    responses = [problems[0].response, "the answer is 0", problems[1].response, "0"]
+    responses = [problems[0].response, "nope", problems[1].response, "never"]  # no shared words
     batch = rollout_batch(prompt_ids, [tokenizer.encode(r) + [end] for r in responses], end)
     advantages = torch.tensor([1.0, -1.0, 1.0, -1.0])
     mask = batch["response_mask"]
@@ -108,3 +108,36 @@ def test_grpo_train_records_each_step(tokenizer):
         "update_seconds",
     }
     assert all(1 <= h["length"] <= 4 and h["entropy"] > 0 for h in history)
+
+
+def test_grpo_train_evaluates_before_each_step_and_refuses_bad_settings(tokenizer):
+    model, seen = _model(tokenizer), []
+
+    def evaluate(policy):
+        seen.append(policy)
+        return {"accuracy": 0.25 * len(seen)}
+
+    settings = dict(steps=2, group_size=2, inner_steps=1, lr=1e-3, max_new_tokens=3)
+    history = grpo_train(
+        model,
+        tokenizer,
+        SPLITS["harder_train"],
+        prompts_per_step=1,
+        generator=torch.Generator().manual_seed(0),
+        evaluate=evaluate,
+        **settings,
+    )
+    assert seen == [model, model] and [h["accuracy"] for h in history] == [0.25, 0.5]
+    for bad, words in [
+        (dict(prompts_per_step=0), "prompts_per_step: expected"),
+        (dict(prompts_per_step=1, evaluate=3), "evaluate: expected a function"),
+    ]:
+        with pytest.raises(ValueError, match=words):
+            grpo_train(
+                model,
+                tokenizer,
+                SPLITS["harder_train"],
+                generator=torch.Generator().manual_seed(0),
+                **settings,
+                **bad,
+            )

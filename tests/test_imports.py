@@ -17,6 +17,7 @@ CHECKS = 99  # the exercise checkers grade every chapter's parts, so they sit ab
 CHAPTER = {
     "validate": SHARED,
     "runtime": SHARED,
+    "figures": SHARED,
     "files": SHARED,
     "data": SHARED,
     "tokenizer_files": 1,

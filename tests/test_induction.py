@@ -85,6 +85,30 @@ def test_train_induction_is_seeded():
     assert torch.equal(first.scores, second.scores)
 
 
+def test_warmup_and_weight_decay_scale_the_first_step():
+    """A token absent from the first batch gets no gradient in its embedding row, so one AdamW
+    step only decays that row: by lr * weight_decay, with lr at 1 / warmup_steps of its peak."""
+    model = tiny_model()
+    before = model.embed.W_E.detach().clone()
+    train_induction(
+        model, steps=1, batch_size=2, lr=1e-2, eval_every=1, seed=5, warmup_steps=4,
+        weight_decay=0.5,
+    )  # fmt: skip
+    first_batch = copying_batch(2, 17, 20, generator=torch.Generator().manual_seed(5))
+    absent = [t for t in range(20) if t not in first_batch[:, :-1]]
+    assert absent, "the test needs a token the first batch does not hold"
+    expected = before[absent] * (1 - 1e-2 / 4 * 0.5)
+    torch.testing.assert_close(model.embed.W_E.detach()[absent], expected, atol=1e-7, rtol=0)
+
+
+@pytest.mark.parametrize(
+    "kwargs, words", [(dict(warmup_steps=-1), "warmup_steps"), (dict(weight_decay=-0.1), "weight")]
+)
+def test_train_induction_refuses_bad_settings(kwargs, words):
+    with pytest.raises(ValueError, match=words):
+        train_induction(tiny_model(), steps=1, **kwargs)
+
+
 def synthetic_run(drop_at: int, rise_at: int, drop: float = 3.0, rise: float = 0.8):
     """A log every 10 steps: a sigmoid loss drop centred at `drop_at`, a score rise at `rise_at`."""
     steps = list(range(0, 1001, 10))

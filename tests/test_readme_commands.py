@@ -138,6 +138,12 @@ COMMANDS: dict[str, Run | Elsewhere] = {
         f"python scripts/train_gpt2.py --profile baby {TINY_GPT2} --device cpu", BEST, SAMPLED
     ),
     "python benchmarks/gpt2.py": run("python benchmarks/gpt2.py --steps 1 --warmup 0", RATIO_JSON),
+    "python benchmarks/grpo.py": run(
+        "python benchmarks/grpo.py --d-model 32 --rollouts 4 --group-size 2 --new-tokens 4 "
+        "--rounds 1",
+        r"^rollout tokens/s with the KV cache [\d,]+, without [\d,]+: \d+\.\dx$",
+        r"^GRPO step: sample \d+%, score \d+%, update \d+% of \d+\.\d+ s$",
+    ),
     # README, "Results you can reproduce", one H100
     "COURSE_PROFILE=full python -m pytest --nbval-lax --durations=0 book exercises solutions": (
         Elsewhere(

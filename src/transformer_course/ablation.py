@@ -35,7 +35,7 @@ def ablation_hook(
     `mean` at each position (`kind="mean"`, e.g. from `mean_z`), and returns the edited `z`;
     the others heads' `z` and the tensor it was given stay as they were.
 
-    Course: chapter 10.
+    Course: chapter 10, exercise 10.7, checked by checks.interpretability.check_ablation_hook.
     """
     validate.one_of("kind", kind, KINDS)
     heads = [validate.integer("head", head, low=0) for head in heads]

@@ -4,8 +4,13 @@ A problem is `"What is 23 + 58?"` and its answer `81`; the assistant must reply 
 format `"the answer is 81"`. Problems are generated, seeded: every pair of operands below
 `max_operand` is shuffled once with the seed and cut into a train and a held-out split (no
 question is in both), and a harder held-out split asks about operands from `max_operand` up to
-`harder_max_operand` (longer numbers than most of training saw), itself cut into a split to
-practise on (`harder_train`, for reinforcement learning) and one held out (`harder`).
+`harder_max_operand` (larger numbers than fine-tuning saw), or about the same operands with
+sums of at least `harder_sum` (larger answers), itself cut into a split to practise on
+(`harder_train`, for reinforcement learning) and one held out (`harder`).
+
+Before any chat, a base model can be pre-trained on `pretraining_text`: every problem as a
+line of plain text, so the model knows the sums, and what fine-tuning and reinforcement
+learning add is how to answer in the chat format with what it knows.
 
 `reward(response, answer)` is the verifiable reward of GRPO: a format reward (the response is
 exactly the answer format) and an answer reward (and its number is right). It never raises: any
@@ -57,27 +62,42 @@ def _problem(a: int, b: int) -> Problem:
 
 
 def task_splits(
-    seed: int = 0, *, max_operand: int = 20, harder_max_operand: int = 30, held_out: float = 0.2
+    seed: int = 0,
+    *,
+    max_operand: int = 20,
+    harder_max_operand: int = 30,
+    held_out: float = 0.2,
+    harder_sum: int | None = None,
 ) -> dict[str, list[Problem]]:
     """`{"train", "held_out", "harder_train", "harder"}`: the problems `a + b` with `a, b <
     max_operand`, shuffled with `seed` and split (a share `held_out` of them held out), and the
     harder problems with `max(a, b)` in `[max_operand, harder_max_operand)`, shuffled with
     `seed` and split the same way.
 
+    With `harder_sum`, the harder problems are instead those with `a, b < max_operand` whose
+    sum is at least `harder_sum` (the same digits as training, larger answers), the easy ones
+    the rest, and `harder_max_operand` is not used.
+
     Course: chapter 9.
     """
     validate.integer("seed", seed)
     validate.integer("max_operand", max_operand, low=2)
-    validate.integer("harder_max_operand", harder_max_operand, low=max_operand + 1)
     validate.number("held_out", held_out, low=0, high=1, low_open=True)
     rng = random.Random(seed)
-    easy = [_problem(a, b) for a in range(max_operand) for b in range(max_operand)]
-    harder = [
-        _problem(a, b)
-        for a in range(harder_max_operand)
-        for b in range(harder_max_operand)
-        if max(a, b) >= max_operand
-    ]
+    if harder_sum is None:
+        validate.integer("harder_max_operand", harder_max_operand, low=max_operand + 1)
+        easy = [_problem(a, b) for a in range(max_operand) for b in range(max_operand)]
+        harder = [
+            _problem(a, b)
+            for a in range(harder_max_operand)
+            for b in range(harder_max_operand)
+            if max(a, b) >= max_operand
+        ]
+    else:
+        validate.integer("harder_sum", harder_sum, low=1, high=2 * max_operand - 2)
+        pairs = [_problem(a, b) for a in range(max_operand) for b in range(max_operand)]
+        easy = [p for p in pairs if p.answer < harder_sum]
+        harder = [p for p in pairs if p.answer >= harder_sum]
     rng.shuffle(easy), rng.shuffle(harder)
     n_easy, n_harder = (max(1, round(held_out * len(split))) for split in (easy, harder))
     return {

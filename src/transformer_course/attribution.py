@@ -55,7 +55,7 @@ def logit_attribution(
     parts they give `logits[:, :-1]` at the next tokens `tokens[:, 1:]`. The final norm's scale
     is frozen: read from `cache` ("ln_final.hook_scale"), as the run computed it.
 
-    Course: chapter 10.
+    Course: chapter 10, exercise 10.6, checked by checks.interpretability.check_logit_attribution.
     """
     names = attribution_names(model)
     first = activation(cache, names[0])

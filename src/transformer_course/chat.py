@@ -59,7 +59,7 @@ def tokenize_chat(
     Refused, with an error naming the row: a prompt or response holding a special token's text
     (not escaped), an empty response, a conversation longer than `n_ctx` tokens.
 
-    Course: chapter 9.
+    Course: chapter 9, exercise 9.1, checked by checks.assistant.check_tokenize_chat.
     """
     validate.sentences("prompts", prompts), validate.sentences("responses", responses)
     validate.special_tokens("tokenizer", tokenizer, CHAT_TOKENS)

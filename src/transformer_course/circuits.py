@@ -91,7 +91,8 @@ def k_composition_scores(
     """The K-composition score of every head of `layer_a` (writing) with every head of the later
     `layer_b` (whose keys read it): entry `[a, b]`.
 
-    Course: chapter 10.
+    Course: chapter 10,
+    exercise 10.10, checked by checks.interpretability.check_k_composition_scores.
     """
     validate.integer("layer_a", layer_a, low=0, high=model.cfg.n_layers - 2)
     validate.integer("layer_b", layer_b, low=layer_a + 1, high=model.cfg.n_layers - 1)

@@ -92,7 +92,7 @@ def make_buckets(params: list[Tensor], bucket_size_mb: float | None) -> list[lis
     bucket wherever the dtype changes (one bucket is one flat tensor). Without a size, one
     bucket per parameter.
 
-    Course: chapter 8, exercise 8.6, checked by checks.scaling.check_make_buckets.
+    Course: chapter 8, exercise 8.6, checked by checks.data_parallel.check_make_buckets.
     """
     if bucket_size_mb is None:
         return [[p] for p in params]
@@ -139,7 +139,7 @@ class DataParallel(nn.Module):
         model.finish_gradient_synchronization()  # after backward(), before step()
         optimizer.step()
 
-    Course: chapter 8, exercise 8.7, checked by checks.scaling.check_data_parallel.
+    Course: chapter 8, exercise 8.7, checked by checks.data_parallel.check_data_parallel.
     """
 
     def __init__(self, module: nn.Module, bucket_size_mb: float | None = None) -> None:

@@ -26,6 +26,7 @@ from transformer_course.tokenization import BPETokenizer
 from transformer_course.training import lm_loss, sample_batch
 
 __all__ = [
+    "DIGITS_APART",
     "task_tokenizer",
     "pretrain",
     "sft_loss",
@@ -36,12 +37,19 @@ __all__ = [
 ]
 
 
+# Every digit its own chunk, so no merge spans two digits: numbers are spelled digit by digit,
+# the same digits in every number, which a small model can add (merged "81" would be a word).
+DIGITS_APART = r"[0-9]|[^0-9]+"
+
+
 def task_tokenizer(text: str, vocab_size: int = 300) -> BPETokenizer:
-    """The course's BPE tokenizer trained on the task's text, with the chat tokens special.
+    """The course's BPE tokenizer trained on the task's text, with the chat tokens special and
+    each digit a token of its own (`DIGITS_APART`): merges make words such as `"the answer is "`
+    one token, never a number.
 
     Course: chapter 9.
     """
-    return BPETokenizer.train(text, vocab_size, special_tokens=CHAT_TOKENS)
+    return BPETokenizer.train(text, vocab_size, pattern=DIGITS_APART, special_tokens=CHAT_TOKENS)
 
 
 def pretrain(
@@ -75,7 +83,7 @@ def sft_loss(model: nn.Module, batch: dict[str, Tensor], n_response_tokens: int)
     """The negative log-likelihood of `batch`'s response tokens, summed, divided by
     `n_response_tokens` (those of the whole batch the step sees, not only this part).
 
-    Course: chapter 9.
+    Course: chapter 9, exercise 9.6, checked by checks.assistant.check_sft_loss.
     """
     log_probs = response_log_probs(model, batch["input_ids"], batch["labels"])
     return masked_normalize(-log_probs, batch["response_mask"], None, n_response_tokens)

@@ -84,7 +84,8 @@ class FlashAttention(torch.autograd.Function):
     the backward rebuilds each tile's pattern from L, so nothing of size n_queries x n_keys is
     kept between the two.
 
-    Course: chapter 8, exercise 8.5, checked by checks.scaling.check_flash_attention_function.
+    Course: chapter 8, exercise 8.5, checked by
+    checks.flash_attention.check_flash_attention_function.
     """
 
     @staticmethod
@@ -124,7 +125,8 @@ def flash_attention_forward(
     the log-sum-exp of each query's scores L `(..., n_queries)`, which is all the backward needs
     besides q, k, v and the output.
 
-    Course: chapter 8, exercise 8.3, checked by checks.scaling.check_flash_attention_forward.
+    Course: chapter 8, exercise 8.3, checked by
+    checks.flash_attention.check_flash_attention_forward.
     """
     _check_inputs(q, k, v, causal, q_tile, k_tile)
     n_queries, n_keys = q.shape[-2], k.shape[-2]
@@ -173,7 +175,8 @@ def flash_attention_backward(
     key tiles (each one's dK and dV are finished before the next), the inner over query tiles
     (dQ accumulates across them).
 
-    Course: chapter 8, exercise 8.4, checked by checks.scaling.check_flash_attention_backward.
+    Course: chapter 8, exercise 8.4, checked by
+    checks.flash_attention.check_flash_attention_backward.
     """
     n_queries, n_keys = q.shape[-2], k.shape[-2]
     scale = 1 / math.sqrt(q.shape[-1])

@@ -10,7 +10,7 @@ update (a forward and backward per inner step over the whole rollout batch).
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -137,18 +137,24 @@ def grpo_train(
     temperature: float = 1.0,
     max_new_tokens: int = 8,
     generator: torch.Generator,
+    evaluate: Callable[[nn.Module], dict[str, float]] | None = None,
 ) -> list[dict[str, float]]:
     """GRPO from `policy` on random prompts of `problems`: per step, rollouts, group-normalized
     advantages, `inner_steps` clipped updates against the sampling policy's log-probs. Returns,
     per step, the mean reward, format reward, response length and response-token entropy of the
-    rollouts, and the seconds spent sampling, scoring and updating.
+    rollouts, and the seconds spent sampling, scoring and updating; with `evaluate` (the policy
+    -> named numbers, held-out accuracy say), also what it returns before the step's rollouts.
 
     Course: chapter 9.
     """
     validate.positive_int("inner_steps", inner_steps)
+    validate.positive_int("prompts_per_step", prompts_per_step)
+    if evaluate is not None and not callable(evaluate):
+        raise ValueError(f"evaluate: expected a function of the policy, got {evaluate!r}")
     optimizer = AdamW([p for p in policy.parameters() if p.requires_grad], lr=lr, weight_decay=0.0)
     history = []
     for _ in range(validate.positive_int("steps", steps)):
+        measured = {} if evaluate is None else dict(evaluate(policy))
         pick = torch.randint(len(problems), (prompts_per_step,), generator=generator).tolist()
         rollouts = sample_rollouts(
             policy,
@@ -177,6 +183,7 @@ def grpo_train(
                 "sample_seconds": rollouts["sample_seconds"],
                 "score_seconds": rollouts["score_seconds"],
                 "update_seconds": time.perf_counter() - start,
+                **measured,
             }
         )
     policy.eval()

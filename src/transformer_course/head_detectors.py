@@ -50,7 +50,7 @@ def _pattern(pattern: Tensor) -> Tensor:
 def prev_token_scores(pattern: Float[Tensor, "batch head q_pos k_pos"]) -> Float[Tensor, " head"]:
     """Mean attention from each query (1 ..) to the position just before it.
 
-    Course: chapter 10.
+    Course: chapter 10, exercise 10.2, checked by checks.interpretability.check_prev_token_scores.
     """
     diagonal = _pattern(pattern).diagonal(offset=-1, dim1=-2, dim2=-1)  # (batch, head, q_pos - 1)
     return einops.reduce(diagonal, "batch head q -> head", "mean")
@@ -59,7 +59,7 @@ def prev_token_scores(pattern: Float[Tensor, "batch head q_pos k_pos"]) -> Float
 def first_token_scores(pattern: Float[Tensor, "batch head q_pos k_pos"]) -> Float[Tensor, " head"]:
     """Mean attention from each query (1 ..) to position 0.
 
-    Course: chapter 10.
+    Course: chapter 10, exercise 10.3, checked by checks.interpretability.check_first_token_scores.
     """
     return einops.reduce(_pattern(pattern)[:, :, 1:, 0], "batch head q -> head", "mean")
 
@@ -74,7 +74,7 @@ def induction_scores(
     `seg_len` (or [x, x] without BOS), query `q` of the second repeat holds the token seen at
     `q - seg_len`, and the induction head attends to `q - seg_len + 1`, the token that came next.
 
-    Course: chapter 10.
+    Course: chapter 10, exercise 10.4, checked by checks.interpretability.check_induction_scores.
     """
     pattern = _pattern(pattern)
     validate.integer("seg_len", seg_len, low=2, high=pattern.shape[-1] // 2)
@@ -135,7 +135,7 @@ def repeat_losses(
     segment is random, and nothing says where it restarts). The sequences end with the
     second repeat, so this works with or without BOS.
 
-    Course: chapter 10.
+    Course: chapter 10, exercise 10.5, checked by checks.interpretability.check_repeat_losses.
     """
     validate.integer("seg_len", seg_len, low=2, high=(loss.shape[-1] + 1) // 2)
     # targets are positions 1 .. pos - 1; the second repeat's tokens are the last seg_len

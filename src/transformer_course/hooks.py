@@ -90,6 +90,8 @@ def run_with_hooks(
 
     A hook must return the tensor to use, of the activation's shape: one that returns None
     (edits a copy and forgets to return it) is an error, not an edit that silently vanishes.
+
+    Course: chapter 10, exercise 10.1, checked by checks.interpretability.check_run_with_hooks.
     """
     check_hook_names(model, hooks)
 

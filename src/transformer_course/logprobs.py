@@ -27,7 +27,7 @@ def response_log_probs(
     The log-softmax is taken in float32 and the label's entry gathered from it; sum it under a
     response mask for a sequence's log-probability.
 
-    Course: chapter 9.
+    Course: chapter 9, exercise 9.2, checked by checks.assistant.check_response_log_probs.
     """
     for name, ids in (("input_ids", input_ids), ("labels", labels)):
         validate.integer_tensor(name, ids, ("batch", "seq"))
@@ -46,7 +46,7 @@ def token_entropy(logits: Float[Tensor, "batch seq d_vocab"]) -> Float[Tensor, "
     `H = -sum_v p_v log p_v` with `log p_v = x_v - logsumexp(x)` (`log_softmax`), never the log
     of a probability that underflowed to 0 (a token that cannot come, a logit of -inf, adds 0).
 
-    Course: chapter 9.
+    Course: chapter 9, exercise 9.3, checked by checks.assistant.check_token_entropy.
     """
     if not isinstance(logits, Tensor) or not logits.is_floating_point() or logits.ndim < 1:
         raise ValueError(f"logits: expected a floating-point tensor (..., d_vocab), got {logits!r}")
@@ -71,7 +71,7 @@ def masked_mean(
     """The mean of `x` over the entries where `mask` is on (along `dim`, or all of them with
     None); where no entry is on, 0.
 
-    Course: chapter 9.
+    Course: chapter 9, exercise 9.4, checked by checks.assistant.check_masked_mean.
     """
     total = _masked(x, mask).sum(dim=dim)
     count = mask.to(x.dtype).sum(dim=dim)
@@ -88,7 +88,7 @@ def masked_normalize(
     `normalize_constant`: a loss that does not depend on how many response tokens a batch has
     (Dr. GRPO's fixed constant, say).
 
-    Course: chapter 9.
+    Course: chapter 9, exercise 9.5, checked by checks.assistant.check_masked_normalize.
     """
     constant = validate.number("normalize_constant", normalize_constant, low=0, low_open=True)
     return _masked(x, mask).sum(dim=dim) / constant

@@ -51,7 +51,7 @@ class LoRALinear(nn.Module):
     """`base(x) + (alpha / rank) * x A^T B^T`: a frozen `nn.Linear` plus a trainable low-rank
     update (`lora_A` `(rank, in_features)`, `lora_B` `(out_features, rank)`, zero at first).
 
-    Course: chapter 9.
+    Course: chapter 9, exercise 9.7, checked by checks.assistant.check_lora_linear.
     """
 
     def __init__(self, base: nn.Linear, rank: int, alpha: float):

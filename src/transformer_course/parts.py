@@ -37,7 +37,7 @@ from transformer_course.files import atomic_write
 __all__ = ["Part", "keep", "load_parts", "parts_of", "whose_parts"]
 
 FOLDER_ENV = "TRANSFORMER_COURSE_PARTS"
-COURSE_LINE = re.compile(r"exercise (\d+)\.(\d+), checked by checks\.(\w+)\.(\w+)")
+COURSE_LINE = re.compile(r"exercise (\d+)\.(\d+), checked by\s+checks\.(\w+)\.(\w+)")
 MARKER = "# --- part: {name} (exercise {number}) ---"
 MARKER_LINE = re.compile(r"^# --- part: (\w+) \(exercise ([\d.]+)\) ---$", re.MULTILINE)
 

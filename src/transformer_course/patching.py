@@ -80,7 +80,7 @@ def patch_residual(
     """The metric of the corrupted run with the residual stream entering layer `l`
     (`blocks.{l}.hook_resid_pre`) at position `p` taken from the clean run: entry `[l, p]`.
 
-    Course: chapter 10.
+    Course: chapter 10, exercise 10.8, checked by checks.interpretability.check_patch_residual.
     """
     n_layers, pos = model.cfg.n_layers, clean_tokens.shape[-1]
     names = [f"blocks.{layer}.hook_resid_pre" for layer in range(n_layers)]
@@ -126,7 +126,7 @@ def patch_head_all_pos(
     """The metric of the corrupted run with head `h` of layer `l` (its `z` at every position)
     taken from the clean run: entry `[l, h]`.
 
-    Course: chapter 10.
+    Course: chapter 10, exercise 10.9, checked by checks.interpretability.check_patch_head_all_pos.
     """
     n_layers, n_heads = model.cfg.n_layers, model.cfg.n_heads
     names = [f"blocks.{layer}.attn.hook_z" for layer in range(n_layers)]

@@ -38,7 +38,7 @@ def group_normalized_rewards(
     std (unbiased, as `torch.std`) plus `eps` with `normalize_by_std`. Groups are consecutive:
     rollouts `[g * group_size, (g + 1) * group_size)` answer prompt `g`.
 
-    Course: chapter 9.
+    Course: chapter 9, exercise 9.9, checked by checks.assistant.check_group_normalized_rewards.
     """
     if not isinstance(rewards, Tensor) or rewards.ndim != 1 or not rewards.is_floating_point():
         got = tuple(rewards.shape) if isinstance(rewards, Tensor) else type(rewards).__name__
@@ -83,7 +83,7 @@ def policy_gradient_loss(
 
     Each kind takes exactly the arguments it names; rewards and advantages are per row.
 
-    Course: chapter 9.
+    Course: chapter 9, exercise 9.10, checked by checks.assistant.check_policy_gradient_loss.
     """
     validate.one_of("kind", kind, POLICY_GRADIENT_KINDS)
     given = dict(rewards=rewards, advantages=advantages, old_log_probs=old_log_probs)

@@ -61,7 +61,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
     sets `group["lr"]` there, as usual); `optimizer` is this rank's own, and `state_dict()` is
     this rank's shard of the state.
 
-    Course: chapter 8, exercise 8.8, checked by checks.scaling.check_sharded_optimizer.
+    Course: chapter 8, exercise 8.8, checked by checks.sharded.check_sharded_optimizer.
     """
 
     def __init__(
@@ -248,7 +248,7 @@ class FullyShardedDataParallel(nn.Module):
         optimizer.step()
         state = model.gather_full_params()   # every rank: the whole float32 state dict
 
-    Course: chapter 8, exercise 8.9, checked by checks.scaling.check_fsdp.
+    Course: chapter 8, exercise 8.9, checked by checks.sharded.check_fsdp.
     """
 
     def __init__(
