@@ -97,6 +97,18 @@ EXCEPTIONS: dict[tuple[str, str], str] = {
     ("solutions/08_scaling.ipynb", "whose = whose_parts(globals(), chapter=8)"): (
         "the parts table again, not a claim: whose each part is depends on the learner's work"
     ),
+    ("solutions/09_assistant.ipynb", "load_parts(globals(), chapter=9)"): (
+        "the parts table: '1.1' and so on are exercise numbers, and whose each part is, exact"
+    ),
+    ("solutions/09_assistant.ipynb", "whose = whose_parts(globals(), chapter=9)"): (
+        "the parts table again, not a claim: whose each part is depends on the learner's work"
+    ),
+    ("solutions/10_interpretability.ipynb", "load_parts(globals(), chapter=10)"): (
+        "the parts table: '1.1' and so on are exercise numbers, and whose each part is, exact"
+    ),
+    ("solutions/10_interpretability.ipynb", "whose = whose_parts(globals(), chapter=10)"): (
+        "the parts table again, not a claim: whose each part is depends on the learner's work"
+    ),
 }
 
 

@@ -40,10 +40,11 @@ SMALLEST_TEXT_KEY = "SmallestTextPx"
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 
-def show(fig: Figure | None = None, dpi: float = 100) -> float:
+def show(fig: Figure | None = None, dpi: float = 100) -> None:
     """Show `fig` (default: the current figure) in the notebook as `figure_png(fig, dpi)`, and
-    close it, so the inline backend does not show it a second time. Returns the height in pixels
-    of its smallest drawn text. Outside a notebook the figure is measured and closed, not shown.
+    close it, so the inline backend does not show it a second time. Returns nothing, so a cell
+    that ends with it shows only the figure. Outside a notebook the figure is measured and
+    closed, not shown.
     """
     if plt is None:
         raise ImportError("figures.show needs matplotlib: pip install -e '.[learn]'")
@@ -55,7 +56,6 @@ def show(fig: Figure | None = None, dpi: float = 100) -> float:
         get_ipython = None
     if get_ipython is not None and get_ipython() is not None:
         display(Image(data=png, format="png"))
-    return smallest_text_px(png)
 
 
 def figure_png(fig: Figure, dpi: float = 100) -> bytes:
