@@ -22,8 +22,9 @@ For every page:
   * every image is a numbered figure with a caption, and its text reads on the phone: as shown
     at 390 px, a plot's smallest text (the height of a digit, tick labels, legends, colour bars
     and a log axis's superscripts included, stored in the PNG by `figures.show`, which measured
-    it while drawing) and a drawing's smallest font size are 8 px or more; a PNG not made by
-    `figures.show` is refused;
+    it while drawing) and a drawing's (the height of a digit at its smallest font size, in the
+    font the browser draws it with) are 8 px or more; a PNG not made by `figures.show` is
+    refused;
   * every part a chapter's exercise box lists is named in the chapter's text (not only in code
     or in the box), where its idea is taught.
 Every chapter has learning objectives and a summary.
@@ -404,8 +405,38 @@ async () => {
 }
 """
 PHONE_TEXT_PX = 8  # the smallest text a figure may show on a 390 px phone
-SVG_FONT = re.compile(r'font-size="(\d+(?:\.\d+)?)"')
-SVG_VIEWBOX = re.compile(r'viewBox="[\d.]+ [\d.]+ ([\d.]+) [\d.]+"')
+
+# Runs in a drawing opened on its own: the height of a digit in its smallest text, in the
+# drawing's units, and the width of its viewBox. The digits are measured in the font Chromium
+# draws that text with (about 0.71 of the font size in Liberation Sans, which stands in for
+# Helvetica and Arial here), at 100 px, where the whole-pixel ink box is precise to 1%.
+DRAWING_TEXT = """
+() => {
+  const drawing = document.documentElement;
+  const context = new OffscreenCanvas(1, 1).getContext("2d");
+  const digitHeights = Array.from(drawing.querySelectorAll("text, tspan"))
+    .filter(text => text.textContent.trim())
+    .map(text => {
+      const style = getComputedStyle(text);
+      context.font = `100px ${style.fontFamily}`;
+      const digits = context.measureText("0123456789");
+      const height = digits.actualBoundingBoxAscent + digits.actualBoundingBoxDescent;
+      return height / 100 * parseFloat(style.fontSize);
+    });
+  return {digit: Math.min(...digitHeights), viewBox: drawing.viewBox.baseVal.width};
+}
+"""
+
+
+@functools.cache
+def drawing_text(browser, url: str) -> dict:
+    """A drawing's smallest digit height and its viewBox width, in its own units."""
+    tab = browser.new_page()
+    try:
+        tab.goto(url, wait_until="load")
+        return tab.evaluate(DRAWING_TEXT)
+    finally:
+        tab.close()
 
 
 def figure_problem(figure: dict, width: int) -> str | None:
@@ -423,11 +454,9 @@ def figure_problem(figure: dict, width: int) -> str | None:
         if shown < PHONE_TEXT_PX:
             return f"a plot whose smallest text shows {shown:.1f} px tall at {width} px: {src}"
     if src.endswith(".svg"):
-        drawing = (SITE / unquote(src).lstrip("/")).read_text(encoding="utf-8")
-        smallest = min(float(size) for size in SVG_FONT.findall(drawing))
-        shown = smallest * figure["shown"] / float(SVG_VIEWBOX.search(drawing)[1])
+        shown = figure["digit"] * figure["shown"] / figure["viewBox"]
         if shown < PHONE_TEXT_PX:
-            return f"a drawing whose smallest text shows at {shown:.1f} px at {width} px: {src}"
+            return f"a drawing whose smallest digit shows {shown:.1f} px tall at {width} px: {src}"
     return None
 
 
@@ -494,6 +523,9 @@ def test_page_in_browser(page, width, server, browser):
 
     problems += [f"wider than the column at {width} px: {block}" for block in info["wide"]]
     problems += [f"a printout split over boxes: {text!r}" for text in info["splitPrintouts"]]
+    for figure in info["figures"]:
+        if width < 960 and urlsplit(figure["src"]).path.endswith(".svg"):
+            figure.update(drawing_text(browser, figure["src"]))
     problems += [why for figure in info["figures"] if (why := figure_problem(figure, width))]
     if width == 1440:
         problems += [f"exercise part not named in the text: {part}" for part in info["untaught"]]
