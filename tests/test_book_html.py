@@ -354,18 +354,45 @@ async () => {
     .filter(out => Array.from(out.children).some((box, i, boxes) => i > 0
       && box.matches(".output.stream") && boxes[i - 1].matches(".output.stream")))
     .map(out => out.textContent.trim().slice(0, 80));
+  // A drawing's smallest text, in its own units (its viewBox): the height of a digit at each
+  // text's font size, in the font Chromium draws it with (about 0.71 of the size in Liberation
+  // Sans, which stands in for Helvetica and Arial here), measured at 100 px where the
+  // whole-pixel ink box is precise. The drawing sits in a shadow root, out of sight, so the
+  // page's styles do not reach it, as they do not reach it in its <img>.
+  const drawingText = async src => {
+    const source = await (await fetch(src)).text();
+    const drawing = new DOMParser().parseFromString(source, "image/svg+xml").documentElement;
+    const host = document.body.appendChild(document.createElement("div"));
+    host.style.cssText = "position: absolute; left: -10000px; top: 0";
+    host.attachShadow({mode: "open"}).appendChild(drawing);
+    const context = new OffscreenCanvas(1, 1).getContext("2d");
+    const digitHeights = Array.from(drawing.querySelectorAll("text, tspan"))
+      .filter(text => text.textContent.trim())
+      .map(text => {
+        const style = getComputedStyle(text);
+        context.font = `100px ${style.fontFamily}`;
+        const digits = context.measureText("0123456789");
+        const height = digits.actualBoundingBoxAscent + digits.actualBoundingBoxDescent;
+        return height / 100 * parseFloat(style.fontSize);
+      });
+    host.remove();
+    return {digit: Math.min(...digitHeights), viewBox: drawing.viewBox.baseVal.width};
+  };
   // Figures: caption, and how wide each image is shown against its own width.
-  const figures = images.filter(img => article.contains(img)).map(img => {
+  const figures = await Promise.all(images.filter(img => article.contains(img)).map(async img => {
     const figure = img.closest("figure");
     const caption = figure && figure.querySelector("figcaption");
+    const src = img.currentSrc || img.src;
+    const drawn = img.complete && img.naturalWidth > 0;
     return {
-      src: img.currentSrc || img.src,
+      src: src,
       shown: img.getBoundingClientRect().width,
       natural: img.naturalWidth,
       number: caption ? (caption.querySelector(".caption-number") || {}).textContent || "" : "",
       caption: caption ? caption.textContent.trim() : "",
+      ...(phone && drawn && new URL(src).pathname.endsWith(".svg") ? await drawingText(src) : {}),
     };
-  });
+  }));
   // The parts the exercise box lists, and the page's prose (no code cells, no box).
   const box = Array.from(article.querySelectorAll("div.admonition"))
     .find(a => /Exercises: the chapter/.test(a.textContent));
@@ -405,38 +432,6 @@ async () => {
 }
 """
 PHONE_TEXT_PX = 8  # the smallest text a figure may show on a 390 px phone
-
-# Runs in a drawing opened on its own: the height of a digit in its smallest text, in the
-# drawing's units, and the width of its viewBox. The digits are measured in the font Chromium
-# draws that text with (about 0.71 of the font size in Liberation Sans, which stands in for
-# Helvetica and Arial here), at 100 px, where the whole-pixel ink box is precise to 1%.
-DRAWING_TEXT = """
-() => {
-  const drawing = document.documentElement;
-  const context = new OffscreenCanvas(1, 1).getContext("2d");
-  const digitHeights = Array.from(drawing.querySelectorAll("text, tspan"))
-    .filter(text => text.textContent.trim())
-    .map(text => {
-      const style = getComputedStyle(text);
-      context.font = `100px ${style.fontFamily}`;
-      const digits = context.measureText("0123456789");
-      const height = digits.actualBoundingBoxAscent + digits.actualBoundingBoxDescent;
-      return height / 100 * parseFloat(style.fontSize);
-    });
-  return {digit: Math.min(...digitHeights), viewBox: drawing.viewBox.baseVal.width};
-}
-"""
-
-
-@functools.cache
-def drawing_text(browser, url: str) -> dict:
-    """A drawing's smallest digit height and its viewBox width, in its own units."""
-    tab = browser.new_page()
-    try:
-        tab.goto(url, wait_until="load")
-        return tab.evaluate(DRAWING_TEXT)
-    finally:
-        tab.close()
 
 
 def figure_problem(figure: dict, width: int) -> str | None:
@@ -523,9 +518,6 @@ def test_page_in_browser(page, width, server, browser):
 
     problems += [f"wider than the column at {width} px: {block}" for block in info["wide"]]
     problems += [f"a printout split over boxes: {text!r}" for text in info["splitPrintouts"]]
-    for figure in info["figures"]:
-        if width < 960 and urlsplit(figure["src"]).path.endswith(".svg"):
-            figure.update(drawing_text(browser, figure["src"]))
     problems += [why for figure in info["figures"] if (why := figure_problem(figure, width))]
     if width == 1440:
         problems += [f"exercise part not named in the text: {part}" for part in info["untaught"]]
