@@ -22,8 +22,9 @@ For every page:
   * every image is a numbered figure with a caption, and its text reads on the phone: as shown
     at 390 px, a plot's smallest text (the height of a digit, tick labels, legends, colour bars
     and a log axis's superscripts included, stored in the PNG by `figures.show`, which measured
-    it while drawing) and a drawing's smallest font size are 8 px or more; a PNG not made by
-    `figures.show` is refused;
+    it while drawing) and a drawing's (the height of a digit at its smallest font size, in the
+    font the browser draws it with) are 8 px or more; a PNG not made by `figures.show` is
+    refused;
   * every part a chapter's exercise box lists is named in the chapter's text (not only in code
     or in the box), where its idea is taught.
 Every chapter has learning objectives and a summary.
@@ -353,18 +354,45 @@ async () => {
     .filter(out => Array.from(out.children).some((box, i, boxes) => i > 0
       && box.matches(".output.stream") && boxes[i - 1].matches(".output.stream")))
     .map(out => out.textContent.trim().slice(0, 80));
+  // A drawing's smallest text, in its own units (its viewBox): the height of a digit at each
+  // text's font size, in the font Chromium draws it with (about 0.71 of the size in Liberation
+  // Sans, which stands in for Helvetica and Arial here), measured at 100 px where the
+  // whole-pixel ink box is precise. The drawing sits in a shadow root, out of sight, so the
+  // page's styles do not reach it, as they do not reach it in its <img>.
+  const drawingText = async src => {
+    const source = await (await fetch(src)).text();
+    const drawing = new DOMParser().parseFromString(source, "image/svg+xml").documentElement;
+    const host = document.body.appendChild(document.createElement("div"));
+    host.style.cssText = "position: absolute; left: -10000px; top: 0";
+    host.attachShadow({mode: "open"}).appendChild(drawing);
+    const context = new OffscreenCanvas(1, 1).getContext("2d");
+    const digitHeights = Array.from(drawing.querySelectorAll("text, tspan"))
+      .filter(text => text.textContent.trim())
+      .map(text => {
+        const style = getComputedStyle(text);
+        context.font = `100px ${style.fontFamily}`;
+        const digits = context.measureText("0123456789");
+        const height = digits.actualBoundingBoxAscent + digits.actualBoundingBoxDescent;
+        return height / 100 * parseFloat(style.fontSize);
+      });
+    host.remove();
+    return {digit: Math.min(...digitHeights), viewBox: drawing.viewBox.baseVal.width};
+  };
   // Figures: caption, and how wide each image is shown against its own width.
-  const figures = images.filter(img => article.contains(img)).map(img => {
+  const figures = await Promise.all(images.filter(img => article.contains(img)).map(async img => {
     const figure = img.closest("figure");
     const caption = figure && figure.querySelector("figcaption");
+    const src = img.currentSrc || img.src;
+    const drawn = img.complete && img.naturalWidth > 0;
     return {
-      src: img.currentSrc || img.src,
+      src: src,
       shown: img.getBoundingClientRect().width,
       natural: img.naturalWidth,
       number: caption ? (caption.querySelector(".caption-number") || {}).textContent || "" : "",
       caption: caption ? caption.textContent.trim() : "",
+      ...(phone && drawn && new URL(src).pathname.endsWith(".svg") ? await drawingText(src) : {}),
     };
-  });
+  }));
   // The parts the exercise box lists, and the page's prose (no code cells, no box).
   const box = Array.from(article.querySelectorAll("div.admonition"))
     .find(a => /Exercises: the chapter/.test(a.textContent));
@@ -404,8 +432,6 @@ async () => {
 }
 """
 PHONE_TEXT_PX = 8  # the smallest text a figure may show on a 390 px phone
-SVG_FONT = re.compile(r'font-size="(\d+(?:\.\d+)?)"')
-SVG_VIEWBOX = re.compile(r'viewBox="[\d.]+ [\d.]+ ([\d.]+) [\d.]+"')
 
 
 def figure_problem(figure: dict, width: int) -> str | None:
@@ -423,11 +449,9 @@ def figure_problem(figure: dict, width: int) -> str | None:
         if shown < PHONE_TEXT_PX:
             return f"a plot whose smallest text shows {shown:.1f} px tall at {width} px: {src}"
     if src.endswith(".svg"):
-        drawing = (SITE / unquote(src).lstrip("/")).read_text(encoding="utf-8")
-        smallest = min(float(size) for size in SVG_FONT.findall(drawing))
-        shown = smallest * figure["shown"] / float(SVG_VIEWBOX.search(drawing)[1])
+        shown = figure["digit"] * figure["shown"] / figure["viewBox"]
         if shown < PHONE_TEXT_PX:
-            return f"a drawing whose smallest text shows at {shown:.1f} px at {width} px: {src}"
+            return f"a drawing whose smallest digit shows {shown:.1f} px tall at {width} px: {src}"
     return None
 
 
