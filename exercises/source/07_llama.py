@@ -359,10 +359,10 @@ keep(AdamW)
 # batches, for the same number of steps, at the same learning rate. The two have (nearly) the
 # same number of parameters: the modern decoder shares 2 KV heads among 4 query heads and
 # spends the parameters this saves on a wider SwiGLU (as Llama 2's largest model did), and it
-# has no position table. Width 96, 2 layers, a context of 64 characters: about a minute each on
-# a laptop's CPU. In 400 steps the modern decoder ends well below GPT-2: the cell asserts a
-# gap of more than 0.15 nats per character (the book page's runs, over three seeds, gave 0.24
-# to 0.28), and under the full profile's 2,000 steps that it still wins.
+# has no position table. Width 96, 2 layers, a context of 64 characters: well under a minute
+# each on a laptop's CPU. In 200 steps the modern decoder ends well below GPT-2: the cell
+# asserts a gap of more than 0.15 nats per character (the book page's runs, over three seeds,
+# gave 0.25 to 0.28), and under the full profile's 2,000 steps that it still wins.
 
 # %% [check] tags=nbval-ignore-output
 import matplotlib.pyplot as plt
@@ -375,7 +375,8 @@ chars = CharTokenizer(text)
 data = torch.tensor(chars.encode(text))
 split = int(0.9 * len(data))
 train_data, val_data = data[:split], data[split:]
-steps = by_profile(quick=400, full=2000)
+steps, lr, warmup = by_profile(quick=(200, 6e-3, 20), full=(2000, 3e-3, 50))
+eval_batches = by_profile(quick=10, full=20)  # per validation loss
 d_model, n_layers, n_ctx, batch_size = 96, 2, 64, 16
 shape = dict(d_model=d_model, n_layers=n_layers, n_heads=4, d_vocab=chars.vocab_size, n_ctx=n_ctx)
 kv_heads_saved = 2 * d_model * (d_model // 2)  # W_K and W_V with 2 of 4 heads, per layer
@@ -388,17 +389,17 @@ models = {
 
 def evaluate(model):
     held_out = torch.Generator().manual_seed(2)  # the same batches at every evaluation
-    return estimate_loss(model, val_data, batch_size=batch_size, n_ctx=n_ctx, n_batches=20,
-                         generator=held_out)
+    return estimate_loss(model, val_data, batch_size=batch_size, n_ctx=n_ctx,
+                         n_batches=eval_batches, generator=held_out)
 
 
 def lr_at(step):
-    return cosine_lr(step, lr=3e-3, warmup_steps=50, max_steps=steps, min_lr=3e-4)
+    return cosine_lr(step, lr=lr, warmup_steps=warmup, max_steps=steps, min_lr=lr / 10)
 
 
 def train(model):
     """Your loop and your AdamW, on the same batches for every model."""
-    optimizer = AdamW(model.parameters(), lr=3e-3, betas=(0.9, 0.99), weight_decay=0.1)
+    optimizer = AdamW(model.parameters(), lr=lr, betas=(0.9, 0.99), weight_decay=0.1)
     batches = torch.Generator().manual_seed(1)
 
     def get_batch(step):
