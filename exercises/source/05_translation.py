@@ -337,7 +337,7 @@ keep(beam_search)
 # chapter 6) trains your model with your `label_smoothed_cross_entropy` and your
 # `inverse_sqrt_lr`: 800 steps, a few minutes on a CPU. They give rough but recognisable
 # Spanish: the loss falls to under half its start, and greedy test BLEU reaches 3 or more (the
-# cells assert both). The book page trains 1,200 steps and scores higher.
+# cells assert both). The book page trains 1,000 steps and usually scores higher.
 
 # %% [check] tags=nbval-ignore-output
 from transformer_course.decoding import BOS, EOS, PAD, SPECIAL_TOKENS, pad_batch

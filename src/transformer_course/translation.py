@@ -123,10 +123,10 @@ SETUPS = {
         d_mlp=512,
         dropout=0.1,
         batch_size=64,
-        max_steps=1200,
+        max_steps=1000,
         lr=2e-3,
         warmup_steps=150,
-        eval_every=400,
+        eval_every=250,
     ),
     "full": TranslationSetup(
         name="full",
