@@ -535,22 +535,27 @@ assert k_scores[previous_head[1]].mean() > untrained_k.max(), (
 # %% [check] tags=nbval-ignore-output
 threshold = 0.4  # as for the attention-only model
 shakespeare_gpt = load_model("chapter_6_gpt2", GPT2, GPT2Config)
+n_ctx = 64 if shakespeare_gpt is None else shakespeare_gpt.cfg.n_ctx  # workbook 6's context
+half = n_ctx // 2
+detectors = {
+    "previous token": prev_token_scores,
+    "first token": first_token_scores,
+    "induction": lambda pattern: induction_scores(pattern, half),
+}
+even = causal_mask(n_ctx).float()
+even = (even / even.sum(-1, keepdim=True))[None, None]  # one head that attends evenly
+evenly = {kind: float(detector(even)) for kind, detector in detectors.items()}
+assert math.isclose(evenly["previous token"], evenly["first token"], rel_tol=1e-5), (
+    "attending evenly, a query weighs its previous key as much as the first"
+)
 if shakespeare_gpt is not None:
     play = load_text("tinyshakespeare")
     chars = CharTokenizer(play)  # workbook 6's tokenizer: the same text gives the same ids
-    n_ctx, half = shakespeare_gpt.cfg.n_ctx, shakespeare_gpt.cfg.n_ctx // 2
     assert chars.vocab_size == shakespeare_gpt.cfg.d_vocab, "the model reads these characters"
     held_out = torch.tensor(chars.encode(play[int(0.9 * len(play)) :]))  # workbook 6's split
     inputs = {
         "Shakespeare": held_out[: 16 * n_ctx].view(16, n_ctx),
         "repeated random characters": repeated_tokens(16, half, chars.vocab_size, seed=1),
-    }
-    even = causal_mask(n_ctx).float()
-    even = (even / even.sum(-1, keepdim=True))[None, None]  # one head that attends evenly
-    detectors = {
-        "previous token": prev_token_scores,
-        "first token": first_token_scores,
-        "induction": lambda pattern: induction_scores(pattern, half),
     }
     gpt_names = [f"blocks.{n}.attn.hook_pattern" for n in range(shakespeare_gpt.cfg.n_layers)]
     tables = {}
@@ -567,11 +572,11 @@ if shakespeare_gpt is not None:
                      for layer, head in (table > threshold).nonzero()]
             layer, head = divmod(int(table.argmax()), table.shape[1])
             print(f"  {kind}: {', '.join(heads) or 'none'}; strongest L{layer}H{head} "
-                  f"{table.max():.2f} (a head that attends evenly: {float(detector(even)):.2f})")
+                  f"{table.max():.2f} (a head that attends evenly: {evenly[kind]:.2f})")
     first, second = repeat_losses(per_token_loss(text_logits, text_tokens), half)
     print(f"loss on the repeated random characters: first repeat {first.mean():.2f}, "
           f"second {second.mean():.2f} (a uniform guess: {math.log(chars.vocab_size):.2f})")
-    assert tables["Shakespeare", "previous token"].max() > 2 * prev_token_scores(even).item(), (
+    assert tables["Shakespeare", "previous token"].max() > 2 * evenly["previous token"], (
         "on the play, some head attends to the previous character well above even attention"
     )
 
