@@ -52,7 +52,7 @@ from transformer_course.checks.gpt2 import (
     check_unembed,
     check_weight_conversion,
 )
-from transformer_course.parts import keep, load_parts, whose_parts
+from transformer_course.parts import keep, keep_model, load_parts, whose_parts
 from transformer_course.runtime import describe_run, seed_everything
 
 # Your chapters 1-5 (each checked again) and the course's tools, in this notebook.
@@ -417,6 +417,7 @@ model.load_state_dict(history.best_state)  # the best model, not the last
 print(f"best: val loss {history.best['val_loss']:.3f} at step {history.best['step']}")
 target = by_profile(quick=2.4, full=1.9)  # a uniform guess is ln 65 = 4.17
 assert history.best["val_loss"] <= target, f"your GPT learns: best validation loss <= {target}"
+keep_model(model, "chapter_6_gpt2")  # chapter 10 looks inside it
 
 # %% [check] tags=nbval-ignore-output
 prompt = torch.tensor([chars.encode("\n")])

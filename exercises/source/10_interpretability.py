@@ -17,7 +17,8 @@
 # At the end you train a two-layer attention-only transformer on text where copying pays,
 # and your own tools find its induction heads (Olsson et al., 2022) and the previous-token
 # head they rely on: ablation, attribution and patching show what each does, and the weights
-# show how they compose. The first cell loads your parts of chapters 1-9.
+# show how they compose. Last, your detectors look inside the GPT-2 you trained on Tiny
+# Shakespeare in chapter 6. The first cell loads your parts of chapters 1-9.
 
 # %%
 from __future__ import annotations
@@ -44,7 +45,7 @@ from transformer_course.checks.interpretability import (
     check_repeat_losses,
     check_run_with_hooks,
 )
-from transformer_course.parts import keep, load_parts, whose_parts
+from transformer_course.parts import keep, load_model, load_parts, whose_parts
 from transformer_course.runtime import describe_run, seed_everything
 
 # Your chapters 1-9 (each checked again) and the course's tools, in this notebook.
@@ -520,6 +521,66 @@ assert k_scores[previous_head[1]].mean() > untrained_k.max(), (
 )
 
 # %% [markdown]
+# ## Inside your chapter 6 GPT-2
+#
+# The detectors read nothing but `hook_pattern`, so they run unchanged on any course model.
+# Workbook 6 kept the GPT-2 you trained on Tiny Shakespeare (`keep_model`, after its
+# training); `load_model` builds it again with your `GPT2` and the weights it saved. Two
+# inputs: 16 windows of the play's held-out text, where the previous-token and first-token
+# scores mean what they say (nothing repeats on purpose, so the induction score would not),
+# and 16 random character sequences written twice, with the three scores and the loss on each
+# repeat. A head counts as one kind when its score, a mean attention weight, is above
+# `threshold`. If workbook 6 has not run to its end, the cell says so and stops there.
+
+# %% [check] tags=nbval-ignore-output
+threshold = 0.4  # as for the attention-only model
+shakespeare_gpt = load_model("chapter_6_gpt2", GPT2, GPT2Config)
+n_ctx = 64 if shakespeare_gpt is None else shakespeare_gpt.cfg.n_ctx  # workbook 6's context
+half = n_ctx // 2
+detectors = {
+    "previous token": prev_token_scores,
+    "first token": first_token_scores,
+    "induction": lambda pattern: induction_scores(pattern, half),
+}
+even = causal_mask(n_ctx).float()
+even = (even / even.sum(-1, keepdim=True))[None, None]  # one head that attends evenly
+evenly = {kind: float(detector(even)) for kind, detector in detectors.items()}
+assert math.isclose(evenly["previous token"], evenly["first token"], rel_tol=1e-5), (
+    "attending evenly, a query weighs its previous key as much as the first"
+)
+if shakespeare_gpt is not None:
+    play = load_text("tinyshakespeare")
+    chars = CharTokenizer(play)  # workbook 6's tokenizer: the same text gives the same ids
+    assert chars.vocab_size == shakespeare_gpt.cfg.d_vocab, "the model reads these characters"
+    held_out = torch.tensor(chars.encode(play[int(0.9 * len(play)) :]))  # workbook 6's split
+    inputs = {
+        "Shakespeare": held_out[: 16 * n_ctx].view(16, n_ctx),
+        "repeated random characters": repeated_tokens(16, half, chars.vocab_size, seed=1),
+    }
+    gpt_names = [f"blocks.{n}.attn.hook_pattern" for n in range(shakespeare_gpt.cfg.n_layers)]
+    tables = {}
+    for label, text_tokens in inputs.items():
+        text_logits, text_cache = run_with_cache(shakespeare_gpt, text_tokens, gpt_names)
+        print(f"on {label}, the heads above {threshold}, and the strongest head of each kind:")
+        for kind, detector in detectors.items():
+            if kind == "induction" and label == "Shakespeare":
+                continue  # the play repeats nothing on purpose
+            table = torch.stack([detector(text_cache[name]) for name in gpt_names])
+            assert ((table >= 0) & (table <= 1 + 1e-6)).all(), f"{kind}: a mean attention weight"
+            tables[label, kind] = table
+            heads = [f"L{layer}H{head} {table[layer, head]:.2f}"
+                     for layer, head in (table > threshold).nonzero()]
+            layer, head = divmod(int(table.argmax()), table.shape[1])
+            print(f"  {kind}: {', '.join(heads) or 'none'}; strongest L{layer}H{head} "
+                  f"{table.max():.2f} (a head that attends evenly: {evenly[kind]:.2f})")
+    first, second = repeat_losses(per_token_loss(text_logits, text_tokens), half)
+    print(f"loss on the repeated random characters: first repeat {first.mean():.2f}, "
+          f"second {second.mean():.2f} (a uniform guess: {math.log(chars.vocab_size):.2f})")
+    assert tables["Shakespeare", "previous token"].max() > 2 * evenly["previous token"], (
+        "on the play, some head attends to the previous character well above even attention"
+    )
+
+# %% [markdown]
 # The table of your parts, chapters 1 to 10:
 
 # %% tags=nbval-ignore-output
@@ -533,5 +594,5 @@ whose = whose_parts(globals(), chapter=10)
 # - Mean-ablate instead of zero-ablating (`mean_z` gives the means): do the numbers change?
 # - Patch each head at each position (`patch_head_by_pos`): where does the previous-token
 #   head matter once the corruption changes the token *before* position `j` instead?
-# - Run your detectors on your chapter 6 GPT-2 trained on Shakespeare: which heads are
-#   previous-token heads?
+# - Train your chapter 6 GPT-2 longer (workbook 6 under `COURSE_PROFILE=full`) and run the
+#   last section again: which heads appear, and does the second repeat get cheaper?

@@ -13,6 +13,10 @@ Your parts are run in the notebook's own namespace, in chapter order, so they us
 chapter 6's GPT-2 is built from your block (chapter 5), whose attention (chapter 2) uses your
 masks (chapter 3). The saved files are cells, not modules: `load_parts` runs them; an import
 would not find the names they use.
+
+A trained model is kept the same way, for a later chapter to look inside: `keep_model` saves
+its configuration and weights (as a training checkpoint) beside your files, and `load_model`
+builds it again, or says that it is not there.
 """
 
 from __future__ import annotations
@@ -25,16 +29,18 @@ import os
 import pkgutil
 import re
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, is_dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+from torch import nn
 
 from transformer_course import validate
 from transformer_course.files import atomic_write
+from transformer_course.training import History, load_checkpoint, read_checkpoint, save_checkpoint
 
-__all__ = ["Part", "keep", "load_parts", "parts_of", "whose_parts"]
+__all__ = ["Part", "keep", "keep_model", "load_model", "load_parts", "parts_of", "whose_parts"]
 
 FOLDER_ENV = "TRANSFORMER_COURSE_PARTS"
 COURSE_LINE = re.compile(r"exercise (\d+)\.(\d+), checked by\s+checks\.(\w+)\.(\w+)")
@@ -217,3 +223,58 @@ def whose_parts(namespace: dict[str, Any], chapter: int) -> dict[str, str]:
     yours = sum(w == "yours" for w in whose.values())
     print(f"{yours} of {len(whose)} parts are yours")
     return whose
+
+
+def _model_path(name: Any, folder: str | Path | None) -> Path:
+    if not isinstance(name, str) or not re.fullmatch(r"\w+", name):
+        raise ValueError(f"name: expected a name of letters, digits and _, got {name!r}")
+    return _folder(folder) / f"{name}.pt"
+
+
+def keep_model(model: nn.Module, name: str, *, folder: str | Path | None = None) -> None:
+    """Save `model` (its `cfg` and its weights as they are now: load the best ones first) as
+    `name.pt` beside your parts, atomically, in the training checkpoint format, and say where;
+    a later workbook reads it back with `load_model`.
+
+    Course: chapter 6.
+    """
+    path = _model_path(name, folder)
+    if not isinstance(model, nn.Module) or not is_dataclass(getattr(model, "cfg", None)):
+        got = type(model).__name__
+        raise ValueError(f"model: expected a course model with a dataclass `cfg`, got a {got}")
+    save_checkpoint(path, model, None, 0, History())
+    print(f"kept your model in {path}")
+
+
+def load_model(
+    name: str,
+    model_class: Callable[[Any], nn.Module],
+    config_class: Callable[..., Any],
+    *,
+    folder: str | Path | None = None,
+) -> nn.Module | None:
+    """The model `keep_model` saved as `name.pt`, built as `model_class(config_class(**cfg))`
+    with the saved configuration and weights; None, saying so, when no such file exists. A file
+    that cannot be read, or that another kind of model wrote, is a ValueError naming it.
+
+    Course: chapter 6.
+    """
+    path = _model_path(name, folder)
+    if not path.is_file():
+        print(f"no model kept in {path}: run the workbook that trains it to the end")
+        return None
+    try:
+        config = read_checkpoint(path)["architecture"].get("config")
+    except (KeyError, IndexError, TypeError, AttributeError) as error:  # garbage unpickled
+        raise ValueError(
+            f"checkpoint {path}: cannot be read ({type(error).__name__}); it is empty, truncated "
+            "or not a model that keep_model saved. Run the workbook that trains it again"
+        ) from None
+    if not isinstance(config, dict):
+        raise ValueError(f"checkpoint {path}: field 'architecture' holds no model configuration")
+    try:
+        model = model_class(config_class(**config))
+    except (TypeError, ValueError) as error:
+        raise ValueError(f"checkpoint {path}: its configuration does not fit: {error}") from None
+    load_checkpoint(path, model)
+    return model
