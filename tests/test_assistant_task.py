@@ -39,6 +39,9 @@ def test_pretraining_text_and_response_format():
     problem = Problem("What is 23 + 58?", 81)
     assert problem.response == format_answer(81) == "the answer is 81"
     assert pretraining_text([problem]) == "What is 23 + 58? the answer is 81\n"
+    assert pretraining_text([problem], "\n") == "What is 23 + 58?\nthe answer is 81\n"
+    with pytest.raises(TypeError, match="separator: expected a str"):
+        pretraining_text([problem], None)
 
 
 @pytest.mark.parametrize(

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from transformer_course import dpo
 from transformer_course.assistant_task import Problem, pretraining_text, task_splits
-from transformer_course.chat import END, tokenize_chat
+from transformer_course.chat import ASSISTANT, END, tokenize_chat
 from transformer_course.dpo import (
     PreferencePair,
     dpo_loss,
@@ -132,6 +132,19 @@ def test_preference_pairs_choose_a_right_answer_over_a_wrong_one(tokenizer, monk
     monkeypatch.setattr(dpo, "complete", sampled)
     pairs = preference_pairs(None, tokenizer, problems, samples=2)
     assert pairs == [PreferencePair("What is 1 + 2?", "the answer is 3", "the answer is 5")]
+
+
+def test_preference_pairs_skip_a_sample_that_spells_a_chat_marker(tokenizer, monkeypatch):
+    # A sampled <|assistant|> mid-answer decodes to its text, which tokenize_chat refuses as a
+    # response: such a sample is never the rejected answer.
+    problem = Problem("What is 1 + 2?", 3)
+    assistant, end = (tokenizer.special_tokens[t] for t in (ASSISTANT, END))
+    spelled = tokenizer.encode("the answer is 7") + [assistant] + tokenizer.encode("the answer")
+    sampled = [spelled + [end]] + [tokenizer.encode(t) + [end] for t in ("the answer is 3", "4")]
+    monkeypatch.setattr(dpo, "complete", lambda *args, **settings: sampled)
+    pairs = preference_pairs(None, tokenizer, [problem], samples=3)
+    assert pairs == [PreferencePair("What is 1 + 2?", "the answer is 3", "4")]
+    tokenize_chat([pairs[0].prompt], [pairs[0].rejected], tokenizer)
 
 
 @pytest.mark.parametrize(

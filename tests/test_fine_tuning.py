@@ -47,6 +47,25 @@ def _grads(model):
     return [p.grad.clone() for p in model.parameters()]
 
 
+def test_text_and_chat_share_the_answer_tokens():
+    # Lines with the answer on its own line, and the chat format, trained on together: the
+    # question's and the answer's tokens are the same in both, the newline's place in text
+    # taken by <|assistant|> in the chat (as pre-training's knowledge is to carry over).
+    problems = SPLITS["train"]
+    text = pretraining_text(problems, "\n") + "".join(
+        chat_prompt(p.prompt) + p.response + END for p in problems
+    )
+    tokenizer = task_tokenizer(text, 290)
+    problem = problems[0]
+    line = tokenizer.encode(pretraining_text([problem], "\n"))
+    chat = tokenizer.encode(chat_prompt(problem.prompt) + problem.response + END)
+    question = tokenizer.encode(problem.prompt)
+    answer = tokenizer.encode(problem.response)
+    assert line == question + tokenizer.encode("\n") + answer + tokenizer.encode("\n")
+    assert chat[1:-1] == question + [tokenizer.special_tokens["<|assistant|>"]] + answer
+    assert all(len(tokenizer.decode([i])) == 1 for i in answer[-len(str(problem.answer)) :])
+
+
 @pytest.mark.parametrize("micro_batch_size", [1, 2, 3])
 def test_gradient_accumulation_equals_one_large_batch(tokenizer, micro_batch_size):
     batch = _batch(tokenizer)

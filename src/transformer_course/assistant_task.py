@@ -9,7 +9,8 @@ sums of at least `harder_sum` (larger answers), itself cut into a split to pract
 (`harder_train`, for reinforcement learning) and one held out (`harder`).
 
 Before any chat, a base model can be pre-trained on `pretraining_text`: every problem as a
-line of plain text, so the model knows the sums, and what fine-tuning and reinforcement
+line of plain text (the answer on its own line, laid out as the chat format lays it out), so
+the model knows the sums, and what fine-tuning and reinforcement
 learning add is how to answer in the chat format with what it knows.
 
 `reward(response, answer)` is the verifiable reward of GRPO: a format reward (the response is
@@ -108,10 +109,19 @@ def task_splits(
     }
 
 
-def pretraining_text(problems: list[Problem]) -> str:
-    """The problems as plain text, one `question answer` line each: what the base model is
-    pre-trained on before it ever sees the chat format."""
-    return "".join(f"{p.prompt} {p.response}\n" for p in problems)
+def pretraining_text(problems: list[Problem], separator: str = " ") -> str:
+    """The problems as plain text, one `question{separator}answer` line each: what the base
+    model is pre-trained on before it ever sees the chat format.
+
+    With `separator="\\n"` and a tokenizer that keeps newlines apart (`task_tokenizer`), the
+    answer's digits follow the same tokens, at the same distances from the question, as in
+    the chat format (where `<|assistant|>` stands in the newline's place): what pre-training
+    stored is then what the chat answer reads.
+
+    Course: chapter 9.
+    """
+    validate.text("separator", separator)
+    return "".join(f"{p.prompt}{separator}{p.response}\n" for p in problems)
 
 
 def reward(response: Any, answer: Any) -> dict[str, float]:

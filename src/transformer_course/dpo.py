@@ -114,7 +114,9 @@ def preference_pairs(
     """Pairs from `model`'s own answers: `samples` responses per problem, sampled at
     `temperature`; for each problem with a right one (reward 1) and a wrong one, the first right
     one is chosen over the first wrong one. Problems it gets always right or always wrong give no
-    pair (nothing to prefer), so there may be fewer pairs than problems.
+    pair (nothing to prefer), so there may be fewer pairs than problems. A sample that spells a
+    chat marker (a special token sampled inside the answer) is no candidate: `tokenize_chat`
+    refuses such text as a response.
 
     Course: chapter 9.
     """
@@ -134,7 +136,13 @@ def preference_pairs(
     for i, problem in enumerate(problems):
         texts = [response_text(tokenizer, r) for r in responses[i * samples : (i + 1) * samples]]
         right = [t for t in texts if reward(t, problem.answer)["reward"] == 1.0]
-        wrong = [t for t in texts if reward(t, problem.answer)["reward"] == 0.0 and t.strip()]
+        wrong = [
+            t
+            for t in texts
+            if reward(t, problem.answer)["reward"] == 0.0
+            and t.strip()
+            and not any(marker in t for marker in tokenizer.special_tokens)
+        ]
         if right and wrong:
             pairs.append(PreferencePair(problem.prompt, right[0], wrong[0]))
     return pairs

@@ -27,6 +27,7 @@ from transformer_course.training import lm_loss, sample_batch
 
 __all__ = [
     "DIGITS_APART",
+    "DIGITS_AND_LINES_APART",
     "task_tokenizer",
     "pretrain",
     "sft_loss",
@@ -40,16 +41,22 @@ __all__ = [
 # Every digit its own chunk, so no merge spans two digits: numbers are spelled digit by digit,
 # the same digits in every number, which a small model can add (merged "81" would be a word).
 DIGITS_APART = r"[0-9]|[^0-9]+"
+# The same, with each newline a chunk of its own too: a line's first words are then the same
+# tokens after a newline as after a chat marker, so text and chat share their tokens.
+DIGITS_AND_LINES_APART = r"[0-9]|\n|[^0-9\n]+"
 
 
 def task_tokenizer(text: str, vocab_size: int = 300) -> BPETokenizer:
     """The course's BPE tokenizer trained on the task's text, with the chat tokens special and
-    each digit a token of its own (`DIGITS_APART`): merges make words such as `"the answer is "`
-    one token, never a number.
+    each digit and each newline a token of its own (`DIGITS_AND_LINES_APART`): merges make
+    words such as `"the answer is "` one token, never a number, and never join a line's words
+    to the newline before them (so they are the same tokens as after a chat marker).
 
     Course: chapter 9.
     """
-    return BPETokenizer.train(text, vocab_size, pattern=DIGITS_APART, special_tokens=CHAT_TOKENS)
+    return BPETokenizer.train(
+        text, vocab_size, pattern=DIGITS_AND_LINES_APART, special_tokens=CHAT_TOKENS
+    )
 
 
 def pretrain(
