@@ -51,7 +51,7 @@ def test_the_folder_comes_from_the_environment(tmp_path, monkeypatch):
     ("content", "message"),
     [
         (b"", r"empty, truncated or not a checkpoint \(0 bytes\)"),
-        (b"half a file", "truncated or not a model that keep_model saved"),
+        (b"half a file", "empty, truncated or not a checkpoint"),
     ],
 )
 def test_a_corrupt_file_is_a_clear_error_naming_it(tmp_path, content, message):

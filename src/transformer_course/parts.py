@@ -263,13 +263,8 @@ def load_model(
     if not path.is_file():
         print(f"no model kept in {path}: run the workbook that trains it to the end")
         return None
-    try:
-        config = read_checkpoint(path)["architecture"].get("config")
-    except (KeyError, IndexError, TypeError, AttributeError) as error:  # garbage unpickled
-        raise ValueError(
-            f"checkpoint {path}: cannot be read ({type(error).__name__}); it is empty, truncated "
-            "or not a model that keep_model saved. Run the workbook that trains it again"
-        ) from None
+    architecture = read_checkpoint(path)["architecture"]
+    config = architecture.get("config") if isinstance(architecture, dict) else None
     if not isinstance(config, dict):
         raise ValueError(f"checkpoint {path}: field 'architecture' holds no model configuration")
     try:

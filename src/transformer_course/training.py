@@ -316,13 +316,13 @@ def read_checkpoint(path: str | Path) -> dict[str, Any]:
         raise FileNotFoundError(f"path: no checkpoint at {path}")
     try:
         checkpoint = torch.load(path, map_location="cpu", weights_only=True)
-    except (pickle.UnpicklingError, EOFError, OSError, RuntimeError, ValueError) as error:
+    except (pickle.UnpicklingError, EOFError, OSError, RuntimeError, ValueError, KeyError) as error:
         if "Unsupported global" in str(error):
             raise ValueError(
                 f"checkpoint {path}: holds objects other than tensors and plain data, so it was "
                 "not written by this course; refusing to unpickle it"
             ) from None
-        unpickling = isinstance(error, pickle.UnpicklingError)
+        unpickling = isinstance(error, pickle.UnpicklingError | KeyError)
         reason = "not a PyTorch file" if unpickling else str(error) or "unexpected end of file"
         raise ValueError(
             f"checkpoint {path}: cannot be read ({type(error).__name__}: {reason}); it is empty, "
