@@ -1,4 +1,4 @@
-"""pytest setup for the whole suite: unit tests, nbval on every notebook, the built book.
+"""pytest setup for the whole suite: unit tests, nbval on the pages and solutions, the built book.
 
 - Nothing reaches a model or dataset hub (the notebook kernels inherit this environment too).
 - Each book page is executed once per run: nbval executes it and compares outputs, and its

@@ -32,7 +32,8 @@ Without a browser, the HTML is still checked for notebook outputs a reader shoul
 (warnings, stderr, tracebacks, object reprs), for scripts or styles from other hosts, for alt
 texts, and for the course's drawn figures: each on its page, with a caption.
 
-A full-page screenshot of every page is saved under `_build/screenshots/`.
+A full-page screenshot of a page that fails is saved under `_build/screenshots/`; of every page
+with `BOOK_SCREENSHOTS=1`.
 """
 
 from __future__ import annotations
@@ -510,13 +511,20 @@ def test_page_in_browser(page, width, server, browser):
         tab.goto(f"{server}/{page}", wait_until="load")
         info = tab.evaluate(INSPECT_PAGE)
         tab.wait_for_load_state("networkidle")
-        SCREENSHOTS.mkdir(parents=True, exist_ok=True)
-        shot = SCREENSHOTS / f"{page.replace('/', '__').removesuffix('.html')}_{width}.png"
-        tab.screenshot(path=str(shot), full_page=True, animations="disabled")
+        problems += page_problems(page, width, info, server)
+        problems += [f"request to another host: {url}" for url in external]
+        if problems or os.environ.get("BOOK_SCREENSHOTS"):  # half a page's time: only if asked
+            SCREENSHOTS.mkdir(parents=True, exist_ok=True)
+            shot = SCREENSHOTS / f"{page.replace('/', '__').removesuffix('.html')}_{width}.png"
+            tab.screenshot(path=str(shot), full_page=True, animations="disabled")
     finally:
         tab.close()
+    assert not problems, f"{page}:\n  " + "\n  ".join(problems)
 
-    problems += [f"wider than the column at {width} px: {block}" for block in info["wide"]]
+
+def page_problems(page: str, width: int, info: dict, server: str) -> list[str]:
+    """What the measurements `info` of `page` (INSPECT_PAGE's) show is wrong with it."""
+    problems = [f"wider than the column at {width} px: {block}" for block in info["wide"]]
     problems += [f"a printout split over boxes: {text!r}" for text in info["splitPrintouts"]]
     problems += [why for figure in info["figures"] if (why := figure_problem(figure, width))]
     if width == 1440:
@@ -546,7 +554,6 @@ def test_page_in_browser(page, width, server, browser):
     for drawing in DRAWN_FIGURES.get(page, ()):
         if not any(img["ok"] and img["src"].endswith("/" + drawing) for img in info["images"]):
             problems.append(f"the drawn figure {drawing} is not shown")
-    problems += [f"request to another host: {url}" for url in external]
     internal = {url for url in info["links"] if url.startswith(server + "/")}
     problems += [why for url in sorted(internal) if (why := _check_link(url[len(server) :]))]
-    assert not problems, f"{page}:\n  " + "\n  ".join(problems)
+    return problems
