@@ -4,14 +4,19 @@
 - Each book page is executed once per run: nbval executes it and compares outputs, and its
   fresh outputs go into the Jupyter Book execution cache, so the `book_html` fixture's build
   renders those outputs instead of executing every page a second time.
+- Notebook kernels, and the commands the tests run with `python`, start in processes forked
+  from one that has imported torch and TransformerLens (`tests/forkserver.py`), one per pytest
+  process: importing them costs about 10 s a process on a 2-core machine.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -34,6 +39,9 @@ BOOK_TESTS = {"test_book_build.py", "test_book_html.py"}  # tests that use the b
 # each hands its fresh outputs to the book build through a file in HANDED_OFF_DIR.
 HANDED_OFF = {"07_llama.ipynb"}
 HANDED_OFF_DIR = BUILD_DIR / "handed_off"
+FORKSERVER = ROOT / "tests" / "forkserver.py"
+FORKED_KERNEL = "transformer-course-forked"  # nbval's kernel when the fork server runs
+_FORKSERVER = pytest.StashKey[tuple[subprocess.Popen, Path]]()  # the server and its folder
 
 _code_cells: dict[Path, int] = {}  # book page -> number of code cells nbval collected
 _executed: dict[Path, dict[int, list]] = {}  # book page -> code cell number -> fresh outputs
@@ -59,6 +67,47 @@ def pytest_configure(config):
             os.environ[name] = threads
         if "torch" in sys.modules:  # already imported: the variables came too late for it
             sys.modules["torch"].set_num_threads(int(threads))
+    _start_forkserver(config)
+
+
+def _start_forkserver(config) -> None:
+    """Start `tests/forkserver.py` for this pytest process and start nbval's kernels through
+    it. Only on Linux (macOS's system libraries are not safe to fork), not in pytest-xdist's
+    controller (it runs no test), not with `COURSE_FORKSERVER=off`, and not on a CUDA machine
+    (a child forked after CUDA's driver has started cannot use it)."""
+    import torch
+
+    controller = config.getoption("dist", "no") != "no" and not hasattr(config, "workerinput")
+    refused = os.environ.get("COURSE_FORKSERVER") == "off" or sys.platform != "linux"
+    if controller or refused or torch.cuda.is_available():
+        return
+    folder = Path(tempfile.mkdtemp(prefix="course-forkserver-"))
+    path = folder / "socket"
+    server = subprocess.Popen(
+        [sys.executable, str(FORKSERVER), "--serve", str(path)],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+    )
+    config.stash[_FORKSERVER] = server, folder
+    os.environ["COURSE_FORKSERVER"] = f"{path}:{server.pid}"
+    if config.getoption("nbval_current_env", False):  # the same interpreter, started forked
+        spec = folder / "kernels" / FORKED_KERNEL / "kernel.json"
+        spec.parent.mkdir(parents=True)
+        argv = [sys.executable, str(FORKSERVER), "-m", "ipykernel_launcher", "-f"]
+        kernel = {"argv": [*argv, "{connection_file}"], "language": "python"}
+        spec.write_text(json.dumps({**kernel, "display_name": FORKED_KERNEL}))
+        jupyter_path = os.environ.get("JUPYTER_PATH")
+        os.environ["JUPYTER_PATH"] = os.pathsep.join(filter(None, [str(folder), jupyter_path]))
+        config.option.nbval_current_env = False
+        config.option.nbval_kernel_name = FORKED_KERNEL
+
+
+def pytest_unconfigure(config):
+    server, folder = config.stash.get(_FORKSERVER, (None, None))
+    if server is not None:
+        server.terminate()
+        server.wait(timeout=60)
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 @pytest.hookimpl(optionalhook=True)

@@ -6,6 +6,8 @@ Both runs use `scripts/train_gpt2.py` on a small text with a tiny model for a fe
 rank takes half of every global batch and DistributedDataParallel averages the gradients, so
 the final parameters agree up to float32 summation order: we allow atol 1e-5 (the parameters
 are O(0.1); a lost gradient average or a rank training on the wrong shard moves them by ~1e-3).
+Every process, torchrun's ranks too, starts through `tests/forkserver.py`: as `python` would
+run it, without importing torch and TransformerLens again.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts" / "train_gpt2.py"
+FORKSERVER = ROOT / "tests" / "forkserver.py"
 TINY = (
     "--n-layers 1 --n-heads 2 --d-model 16 --block-size 16 --batch-size 8 --max-steps 6 "
     "--warmup-steps 2 --lr 3e-3 --eval-every 3 --eval-batches 2 --sample-tokens 0"
@@ -55,16 +58,22 @@ def one_process(tmp_path_factory) -> tuple[Path, list[str]]:
     text_file.write_text(text)
     common = [str(SCRIPT), "--text-file", str(text_file), "--device", "cpu", *TINY]
     one = folder / "one"
-    run([sys.executable, *common, "--checkpoint-dir", str(one), "--out", str(one)], folder)
+    python = [sys.executable, str(FORKSERVER)]
+    run([*python, *common, "--checkpoint-dir", str(one), "--out", str(one)], folder)
     return folder, common
 
 
+# torchrun, and each rank as `python SCRIPT ...`, started through the fork server.
 TWO_PROCESSES = [
     sys.executable,
+    str(FORKSERVER),
     "-m",
     "torch.distributed.run",
     "--standalone",
     "--nproc_per_node=2",
+    "--no-python",
+    sys.executable,
+    str(FORKSERVER),
 ]
 
 

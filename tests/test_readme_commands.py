@@ -1,6 +1,8 @@
 """Every command the README shows runs, and so does every command that the benchmarks' and
 `scripts/train_gpt2.py`'s docstrings show: each as a subprocess from the repository root, at a
-tiny size where the real one takes minutes, and each prints its result line.
+tiny size where the real one takes minutes, and each prints its result line. `python ...` runs
+through `tests/forkserver.py`, as `python` would run it but without importing torch and
+TransformerLens again.
 
 `COMMANDS` maps each command, as written, to how it is checked:
 
@@ -36,6 +38,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
+FORKSERVER = ROOT / "tests" / "forkserver.py"
 # The scripts whose docstrings' commands are checked too, and which must each have a run.
 SCRIPTS = sorted((ROOT / "benchmarks").glob("*.py")) + [ROOT / "scripts" / "train_gpt2.py"]
 CUDA = torch.cuda.is_available()
@@ -364,7 +367,7 @@ def runs(tmp_path_factory) -> Path:
 def test_command_runs_tiny_and_prints_its_result(entry: Run, runs: Path):
     argv = list(entry.argv)
     if argv[0] == "python":
-        argv[0] = sys.executable
+        argv[:1] = [sys.executable, str(FORKSERVER)]
     env = {
         **os.environ,
         "HF_HUB_OFFLINE": "1",
