@@ -23,12 +23,7 @@ import pytest
 
 os.environ["HF_HUB_OFFLINE"] = "1"
 
-# Every jaxtyping annotation in the package is checked at run time while the tests run (a wrong
-# shape, or a wrong shape annotation, fails the test): tests/shape_checks.py.
-sys.path.insert(0, str(Path(__file__).resolve().parent / "tests"))
-import shape_checks  # noqa: E402
-
-shape_checks.install()
+sys.path.insert(0, str(Path(__file__).resolve().parent / "tests"))  # the tests' helpers
 
 ROOT = Path(__file__).resolve().parent
 BOOK_DIR = ROOT / "book"
@@ -59,6 +54,8 @@ def pytest_configure(config):
     every kernel on two threads (the claims must hold at any thread count)."""
     if not hasattr(config, "workerinput"):  # the controller, before any worker runs a page
         shutil.rmtree(HANDED_OFF_DIR, ignore_errors=True)
+    if _is_controller(config):  # it runs no test: no package to check, no fork server
+        return
     workers = os.environ.get("PYTEST_XDIST_WORKER_COUNT")
     if workers:
         cores_each = str(max(1, (os.cpu_count() or 1) // int(workers)))
@@ -67,19 +64,28 @@ def pytest_configure(config):
             os.environ[name] = threads
         if "torch" in sys.modules:  # already imported: the variables came too late for it
             sys.modules["torch"].set_num_threads(int(threads))
+    # Every jaxtyping annotation in the package is checked at run time while the tests run (a
+    # wrong shape, or a wrong shape annotation, fails the test): tests/shape_checks.py.
+    import shape_checks
+
+    shape_checks.install()
     _start_forkserver(config)
+
+
+def _is_controller(config) -> bool:
+    """Whether this is pytest-xdist's controller, which hands tests to the workers."""
+    return config.getoption("dist", "no") != "no" and not hasattr(config, "workerinput")
 
 
 def _start_forkserver(config) -> None:
     """Start `tests/forkserver.py` for this pytest process and start nbval's kernels through
-    it. Only on Linux (macOS's system libraries are not safe to fork), not in pytest-xdist's
-    controller (it runs no test), not with `COURSE_FORKSERVER=off`, and not on a CUDA machine
-    (a child forked after CUDA's driver has started cannot use it)."""
+    it. Only on Linux (macOS's system libraries are not safe to fork), not with
+    `COURSE_FORKSERVER=off`, and not on a CUDA machine (a child forked after CUDA's driver has
+    started cannot use it)."""
     import torch
 
-    controller = config.getoption("dist", "no") != "no" and not hasattr(config, "workerinput")
     refused = os.environ.get("COURSE_FORKSERVER") == "off" or sys.platform != "linux"
-    if controller or refused or torch.cuda.is_available():
+    if refused or torch.cuda.is_available():
         return
     folder = Path(tempfile.mkdtemp(prefix="course-forkserver-"))
     path = folder / "socket"

@@ -38,6 +38,8 @@ from transformer_course.training import (
     train,
 )
 
+FORKSERVER = Path(__file__).with_name("forkserver.py")
+
 
 class Tiny(nn.Module):
     """A small regression model with dropout, so resumption must restore the RNG too."""
@@ -481,8 +483,9 @@ def test_sigkilled_run_resumes_to_the_same_final_loss(tmp_path):
     script.write_text(textwrap.dedent(KILLABLE_RUN))
 
     def finish(folder: Path, delay: str = "0") -> str:
+        forked = [sys.executable, str(FORKSERVER)]  # `python`, without importing torch again
         done = subprocess.run(
-            [sys.executable, str(script), str(folder), delay],
+            [*forked, str(script), str(folder), delay],
             capture_output=True,
             text=True,
             timeout=120,
@@ -493,6 +496,7 @@ def test_sigkilled_run_resumes_to_the_same_final_loss(tmp_path):
     uninterrupted = finish(tmp_path / "a")
 
     folder = tmp_path / "b"
+    # A plain process, not forked: SIGKILL stops the program itself, at once.
     victim = subprocess.Popen([sys.executable, str(script), str(folder), "0.05"])
     deadline = time.monotonic() + 60
     while not (folder / CHECKPOINT_NAME).exists():
