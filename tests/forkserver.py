@@ -3,15 +3,17 @@ runs like `python ARGS` (a script, `-m module` or `-c code`, with its arguments)
 forked from a server that has already imported torch, TransformerLens (and with it
 `transformers`) and ipykernel: about 10 s a process on a 2-core machine, paid once.
 
-The suite starts one server per pytest process (`conftest.py`) and names its socket in
-`$COURSE_FORKSERVER`; notebook kernels and the README's commands start through it. Without the
-variable, or without a server answering, the client becomes plain `python ARGS`.
+The suite starts one server per pytest process (`conftest.py`) and names it in
+`$COURSE_FORKSERVER`; notebook kernels, the README's commands and torchrun's ranks start
+through it. Without the variable, or without a server answering, the client becomes plain
+`python ARGS`.
 
 The child is what `python ARGS` would be from the caller: its argv, working directory,
 environment, standard streams (the client's own, passed over the socket), `sys.path[0]`, fresh
-random seeds, its own session, and a normal interpreter exit. The client waits for it, passes on
-the signals it gets (so interrupting a kernel works) and exits as it did; a client that is
-killed takes the child with it.
+random seeds, its own session, and the interpreter's exit (threads joined, `atexit` run,
+streams flushed, the status), only without tearing down every module. The client waits for it,
+passes on the signals it gets (so interrupting a kernel works) and exits as it did; a client
+that is killed takes the child with it.
 """
 
 from __future__ import annotations
@@ -71,11 +73,14 @@ def client(args: list[str]) -> None:
     path, _, pid = os.environ.get(VARIABLE, "").rpartition(":")
     forkable = bool(args) and (args[0] in ("-m", "-c") or not args[0].startswith("-"))
     server = connect(path, int(pid)) if forkable and path and pid.isdigit() else None
-    if server is None:  # plain `python ARGS`
-        os.execv(sys.executable, [sys.executable, *args])
     request = json.dumps({"args": args, "cwd": os.getcwd(), "env": dict(os.environ)}).encode()
-    socket.send_fds(server, [HEADER.pack(len(request))], [0, 1, 2])
-    server.sendall(request)
+    try:
+        if server is None:
+            raise ConnectionError("no fork server")
+        socket.send_fds(server, [HEADER.pack(len(request))], [0, 1, 2])
+        server.sendall(request)
+    except OSError:  # no server, or a standard stream closed: plain `python ARGS`
+        os.execv(sys.executable, [sys.executable, *args])
     replies = server.makefile("r")
 
     def reply() -> int:
@@ -121,6 +126,7 @@ def hung_up(conn: socket.socket) -> bool:
 def serve(path: str) -> tuple[dict, list[int]]:
     """Answer requests until the parent goes or SIGTERM comes; return only in a forked child,
     with its request and the client's streams."""
+    parent = os.getppid()
     for name in PRELOAD:
         __import__(name)
     gc.freeze()  # the children's collections leave the server's objects, and its pages, alone
@@ -130,7 +136,7 @@ def serve(path: str) -> tuple[dict, list[int]]:
     children: dict[int, socket.socket | None] = {}  # pid -> its client's connection
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(0))
     try:
-        job = answer(listener, children)
+        job = answer(listener, children, parent)
     except (SystemExit, KeyboardInterrupt):
         job = None
     if job is None:  # the server ends, and its children with it
@@ -141,11 +147,10 @@ def serve(path: str) -> tuple[dict, list[int]]:
 
 
 def answer(
-    listener: socket.socket, children: dict[int, socket.socket | None]
+    listener: socket.socket, children: dict[int, socket.socket | None], parent: int
 ) -> tuple[dict, list[int]] | None:
     """Fork a child per request and tell each client its child's pid, then its exit status;
     kill the child of a client that dies. None when the server's parent has gone."""
-    parent = os.getppid()
     while os.getppid() == parent:
         connections = [conn for conn in children.values() if conn is not None]
         ready = select.select([listener, *connections], [], [], 0.2)[0]
