@@ -4,9 +4,9 @@
 - Each book page is executed once per run: nbval executes it and compares outputs, and its
   fresh outputs go into the Jupyter Book execution cache, so the `book_html` fixture's build
   renders those outputs instead of executing every page a second time.
-- Notebook kernels, and the commands the tests run with `python`, start in processes forked
-  from one that has imported torch and TransformerLens (`tests/forkserver.py`), one per pytest
-  process: importing them costs about 10 s a process on a 2-core machine.
+- Notebook kernels, and the Python commands the tests run, start in processes forked from one
+  that has imported torch and TransformerLens (`tests/forkserver.py`, one for the run):
+  importing them costs about 10 s a process on a 2-core machine.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -54,7 +55,8 @@ def pytest_configure(config):
     every kernel on two threads (the claims must hold at any thread count)."""
     if not hasattr(config, "workerinput"):  # the controller, before any worker runs a page
         shutil.rmtree(HANDED_OFF_DIR, ignore_errors=True)
-    if _is_controller(config):  # it runs no test: no package to check, no fork server
+    if _is_controller(config):  # it runs no test: it only starts the workers' fork server
+        _start_forkserver(config)
         return
     workers = os.environ.get("PYTEST_XDIST_WORKER_COUNT")
     if workers:
@@ -70,6 +72,11 @@ def pytest_configure(config):
 
     shape_checks.install()
     _start_forkserver(config)
+    path = Path(os.environ.get("COURSE_FORKSERVER", "off"))
+    forked_kernel = path.parent / "kernels" / FORKED_KERNEL
+    if config.getoption("nbval_current_env", False) and forked_kernel.exists():
+        config.option.nbval_current_env = False  # the same interpreter, started forked
+        config.option.nbval_kernel_name = FORKED_KERNEL
 
 
 def _is_controller(config) -> bool:
@@ -78,14 +85,13 @@ def _is_controller(config) -> bool:
 
 
 def _start_forkserver(config) -> None:
-    """Start `tests/forkserver.py` for this pytest process and start nbval's kernels through
-    it. Only on Linux (macOS's system libraries are not safe to fork), not with
-    `COURSE_FORKSERVER=off`, and not on a CUDA machine (a child forked after CUDA's driver has
-    started cannot use it)."""
-    import torch
-
-    refused = os.environ.get("COURSE_FORKSERVER") == "off" or sys.platform != "linux"
-    if refused or torch.cuda.is_available():
+    """Start `tests/forkserver.py`, once for the whole run (pytest-xdist's workers inherit its
+    variable), with a kernel spec that starts nbval's kernels through it. Only on Linux
+    (macOS's system libraries are not safe to fork), not with `COURSE_FORKSERVER` set (to
+    `off`, or to a server already running), and not beside a GPU (a process forked after CUDA's
+    driver has started cannot use it)."""
+    gpu = any(Path(device).exists() for device in ("/proc/driver/nvidia", "/dev/kfd"))
+    if os.environ.get("COURSE_FORKSERVER") or sys.platform != "linux" or gpu:
         return
     folder = Path(tempfile.mkdtemp(prefix="course-forkserver-"))
     path = folder / "socket"
@@ -95,17 +101,19 @@ def _start_forkserver(config) -> None:
         stdout=subprocess.DEVNULL,
     )
     config.stash[_FORKSERVER] = server, folder
-    os.environ["COURSE_FORKSERVER"] = f"{path}:{server.pid}"
-    if config.getoption("nbval_current_env", False):  # the same interpreter, started forked
-        spec = folder / "kernels" / FORKED_KERNEL / "kernel.json"
-        spec.parent.mkdir(parents=True)
-        argv = [sys.executable, str(FORKSERVER), "-m", "ipykernel_launcher", "-f"]
-        kernel = {"argv": [*argv, "{connection_file}"], "language": "python"}
-        spec.write_text(json.dumps({**kernel, "display_name": FORKED_KERNEL}))
-        jupyter_path = os.environ.get("JUPYTER_PATH")
-        os.environ["JUPYTER_PATH"] = os.pathsep.join(filter(None, [str(folder), jupyter_path]))
-        config.option.nbval_current_env = False
-        config.option.nbval_kernel_name = FORKED_KERNEL
+    deadline = time.monotonic() + 30
+    while not path.exists() and server.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.02)  # it listens first, then imports
+    if not path.exists():
+        return  # no server: every process starts afresh
+    spec = folder / "kernels" / FORKED_KERNEL / "kernel.json"
+    spec.parent.mkdir(parents=True)
+    argv = [sys.executable, str(FORKSERVER), "-m", "ipykernel_launcher", "-f"]
+    kernel = {"argv": [*argv, "{connection_file}"], "language": "python"}
+    spec.write_text(json.dumps({**kernel, "display_name": FORKED_KERNEL}))
+    os.environ["COURSE_FORKSERVER"] = str(path)
+    jupyter_path = os.environ.get("JUPYTER_PATH")
+    os.environ["JUPYTER_PATH"] = os.pathsep.join(filter(None, [str(folder), jupyter_path]))
 
 
 def pytest_unconfigure(config):

@@ -3,10 +3,9 @@ runs like `python ARGS` (a script, `-m module` or `-c code`, with its arguments)
 forked from a server that has already imported torch, TransformerLens (and with it
 `transformers`) and ipykernel: about 10 s a process on a 2-core machine, paid once.
 
-The suite starts one server per pytest process (`conftest.py`) and names it in
-`$COURSE_FORKSERVER`; notebook kernels, the README's commands and torchrun's ranks start
-through it. Without the variable, or without a server answering, the client becomes plain
-`python ARGS`.
+The suite starts one server (`conftest.py`) and names its socket in `$COURSE_FORKSERVER`;
+notebook kernels, the README's commands and torchrun's ranks start through it. Without the
+variable, or without a server answering, the client becomes plain `python ARGS`.
 
 The child is what `python ARGS` would be from the caller: its argv, working directory,
 environment, standard streams (the client's own, passed over the socket), `sys.path[0]`, fresh
@@ -27,7 +26,6 @@ import signal
 import socket
 import struct
 import sys
-import time
 import types
 
 VARIABLE = "COURSE_FORKSERVER"
@@ -37,24 +35,6 @@ HEADER = struct.Struct("!I")  # the request's length, sent with the three stream
 
 
 # The client -------------------------------------------------------------------------------
-
-
-def connect(path: str, server_pid: int, wait_s: float = 300.0) -> socket.socket | None:
-    """A connection to the server, waiting while it imports; None if it is gone."""
-    deadline = time.monotonic() + wait_s
-    while time.monotonic() < deadline:
-        try:
-            os.kill(server_pid, 0)
-        except OSError:
-            return None
-        client = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            client.connect(path)
-            return client
-        except OSError:
-            client.close()
-            time.sleep(0.05)
-    return None
 
 
 def signal_group(pid: int, signum: int) -> None:
@@ -69,19 +49,22 @@ def signal_group(pid: int, signum: int) -> None:
 
 
 def client(args: list[str]) -> None:
-    """Run `python ARGS` in a forked child and exit as it exits."""
-    path, _, pid = os.environ.get(VARIABLE, "").rpartition(":")
+    """Run `python ARGS` in a forked child and exit as it exits; where no server takes the
+    request, run plain `python ARGS` instead."""
+    path = os.environ.get(VARIABLE, "")
     forkable = bool(args) and (args[0] in ("-m", "-c") or not args[0].startswith("-"))
-    server = connect(path, int(pid)) if forkable and path and pid.isdigit() else None
     request = json.dumps({"args": args, "cwd": os.getcwd(), "env": dict(os.environ)}).encode()
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
-        if server is None:
-            raise ConnectionError("no fork server")
+        if not (forkable and path.startswith("/")):
+            raise ConnectionError("no fork server to ask")
+        server.connect(path)  # queued while the server imports
         socket.send_fds(server, [HEADER.pack(len(request))], [0, 1, 2])
         server.sendall(request)
-    except OSError:  # no server, or a standard stream closed: plain `python ARGS`
+        replies = server.makefile("r")
+        child = int(replies.readline())  # empty (ValueError) if the server went
+    except (OSError, ValueError):  # no server, or a standard stream closed
         os.execv(sys.executable, [sys.executable, *args])
-    replies = server.makefile("r")
 
     def reply() -> int:
         line = replies.readline()
@@ -89,7 +72,6 @@ def client(args: list[str]) -> None:
             sys.exit(f"{__file__}: the fork server stopped before the program ended")
         return int(line)
 
-    child = reply()
     for signum in FORWARDED:
         signal.signal(signum, lambda signum, frame: signal_group(child, signum))
     status = reply()
@@ -127,12 +109,12 @@ def serve(path: str) -> tuple[dict, list[int]]:
     """Answer requests until the parent goes or SIGTERM comes; return only in a forked child,
     with its request and the client's streams."""
     parent = os.getppid()
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(path)  # first: clients queue while it imports, and see at once if it dies
+    listener.listen(64)
     for name in PRELOAD:
         __import__(name)
     gc.freeze()  # the children's collections leave the server's objects, and its pages, alone
-    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    listener.bind(path)
-    listener.listen(16)
     children: dict[int, socket.socket | None] = {}  # pid -> its client's connection
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(0))
     try:

@@ -41,7 +41,10 @@ def server(tmp_path_factory) -> dict[str, str]:
         return
     path = tmp_path_factory.mktemp("forkserver") / "socket"
     process = subprocess.Popen([sys.executable, str(FORKSERVER), "--serve", str(path)])
-    yield {**os.environ, "COURSE_FORKSERVER": f"{path}:{process.pid}"}
+    deadline = time.monotonic() + 30
+    while not path.exists() and time.monotonic() < deadline:
+        time.sleep(0.02)  # it listens first, then imports
+    yield {**os.environ, "COURSE_FORKSERVER": str(path)}
     process.terminate()
     process.wait(timeout=60)
 
