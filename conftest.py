@@ -17,7 +17,6 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import pytest
@@ -35,7 +34,6 @@ BOOK_TESTS = {"test_book_build.py", "test_book_html.py"}  # tests that use the b
 # each hands its fresh outputs to the book build through a file in HANDED_OFF_DIR.
 HANDED_OFF = {"07_llama.ipynb"}
 HANDED_OFF_DIR = BUILD_DIR / "handed_off"
-FORKSERVER = ROOT / "tests" / "forkserver.py"
 FORKED_KERNEL = "transformer-course-forked"  # nbval's kernel when the fork server runs
 _FORKSERVER = pytest.StashKey[tuple[subprocess.Popen, Path]]()  # the server and its folder
 
@@ -72,9 +70,10 @@ def pytest_configure(config):
 
     shape_checks.install()
     _start_forkserver(config)
-    path = Path(os.environ.get("COURSE_FORKSERVER", "off"))
-    forked_kernel = path.parent / "kernels" / FORKED_KERNEL
-    if config.getoption("nbval_current_env", False) and forked_kernel.exists():
+    socket = Path(os.environ.get("COURSE_FORKSERVER", "off"))  # "off": no folder, no kernel
+    forked_kernel = socket.parent / "kernels" / FORKED_KERNEL
+    forked = socket.is_absolute() and forked_kernel.exists()
+    if forked and config.getoption("nbval_current_env", False):
         config.option.nbval_current_env = False  # the same interpreter, started forked
         config.option.nbval_kernel_name = FORKED_KERNEL
 
@@ -93,23 +92,19 @@ def _start_forkserver(config) -> None:
     gpu = any(Path(device).exists() for device in ("/proc/driver/nvidia", "/dev/kfd"))
     if os.environ.get("COURSE_FORKSERVER") or sys.platform != "linux" or gpu:
         return
+    import forkserver
+
     folder = Path(tempfile.mkdtemp(prefix="course-forkserver-"))
     path = folder / "socket"
-    server = subprocess.Popen(
-        [sys.executable, str(FORKSERVER), "--serve", str(path)],
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.DEVNULL,
-    )
+    server = forkserver.start(str(path))
+    if server is None:  # every process starts afresh
+        shutil.rmtree(folder, ignore_errors=True)
+        return
     config.stash[_FORKSERVER] = server, folder
-    deadline = time.monotonic() + 30
-    while not path.exists() and server.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.02)  # it listens first, then imports
-    if not path.exists():
-        return  # no server: every process starts afresh
     spec = folder / "kernels" / FORKED_KERNEL / "kernel.json"
     spec.parent.mkdir(parents=True)
-    argv = [sys.executable, str(FORKSERVER), "-m", "ipykernel_launcher", "-f"]
-    kernel = {"argv": [*argv, "{connection_file}"], "language": "python"}
+    argv = [*forkserver.PYTHON, "-m", "ipykernel_launcher", "-f", "{connection_file}"]
+    kernel = {"argv": argv, "language": "python"}
     spec.write_text(json.dumps({**kernel, "display_name": FORKED_KERNEL}))
     os.environ["COURSE_FORKSERVER"] = str(path)
     jupyter_path = os.environ.get("JUPYTER_PATH")

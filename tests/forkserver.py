@@ -32,6 +32,7 @@ VARIABLE = "COURSE_FORKSERVER"
 PRELOAD = ("torch", "transformer_lens", "ipykernel.kernelapp")
 FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1)
 HEADER = struct.Struct("!I")  # the request's length, sent with the three stream descriptors
+PYTHON = [sys.executable, os.path.abspath(__file__)]  # in a command, in place of `python`
 
 
 # The client -------------------------------------------------------------------------------
@@ -83,6 +84,25 @@ def client(args: list[str]) -> None:
 
 
 # The server -------------------------------------------------------------------------------
+
+
+def start(path: str, wait_s: float = 30.0):
+    """Start a server on the socket `path` and return its process once it listens (it listens
+    first, then imports); None if it did not come up."""
+    import subprocess
+    import time
+
+    server = subprocess.Popen(
+        [*PYTHON, "--serve", path], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL
+    )
+    deadline = time.monotonic() + wait_s
+    while not os.path.exists(path) and server.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.02)
+    if os.path.exists(path):
+        return server
+    server.kill()
+    server.wait()
+    return None
 
 
 def receive(conn: socket.socket) -> tuple[dict, list[int]]:

@@ -13,9 +13,9 @@ import time
 from pathlib import Path
 
 import pytest
+from forkserver import PYTHON, start
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="the fork server is for Linux")
-FORKSERVER = Path(__file__).resolve().parent / "forkserver.py"
 PROBE = """\
 import os, sys
 print("preloaded" if "torch" in sys.modules else "fresh")
@@ -40,10 +40,8 @@ def server(tmp_path_factory) -> dict[str, str]:
         yield dict(os.environ)
         return
     path = tmp_path_factory.mktemp("forkserver") / "socket"
-    process = subprocess.Popen([sys.executable, str(FORKSERVER), "--serve", str(path)])
-    deadline = time.monotonic() + 30
-    while not path.exists() and time.monotonic() < deadline:
-        time.sleep(0.02)  # it listens first, then imports
+    process = start(str(path))
+    assert process is not None, "the fork server did not start"
     yield {**os.environ, "COURSE_FORKSERVER": str(path)}
     process.terminate()
     process.wait(timeout=60)
@@ -62,7 +60,7 @@ def test_a_script_sees_and_ends_as_under_python(ending, server, tmp_path):
     script.write_text(PROBE.format(end=ENDINGS[ending]))
     args = [str(script), "an argument"]
     plain = run([sys.executable, *args], {**server, "COURSE_FORKSERVER": "off"}, tmp_path)
-    forked = run([sys.executable, str(FORKSERVER), *args], server, tmp_path)
+    forked = run([*PYTHON, *args], server, tmp_path)
     assert plain.stdout.startswith("fresh\n") and forked.stdout.startswith("preloaded\n")
     assert forked.stdout.split("\n", 1)[1] == plain.stdout.split("\n", 1)[1]
     assert (forked.returncode, forked.stderr) == (plain.returncode, plain.stderr)
@@ -75,7 +73,7 @@ CODE = "import os, sys; print(sys.argv, repr(sys.path[0]), __name__, os.getcwd()
 def test_code_and_modules_run_as_under_python(args, server, tmp_path):
     (tmp_path / "probe.py").write_text(CODE)  # `-m probe` finds it in the working directory
     plain = run([sys.executable, *args], server, tmp_path)
-    forked = run([sys.executable, str(FORKSERVER), *args], server, tmp_path)
+    forked = run([*PYTHON, *args], server, tmp_path)
     assert (forked.returncode, forked.stdout, forked.stderr) == (0, plain.stdout, plain.stderr)
 
 
@@ -90,7 +88,7 @@ def running(pid: int) -> bool:
 def test_signals_reach_the_program_and_a_killed_caller_takes_it_along(server):
     stop = "import time\ntry:\n    time.sleep(300)\nexcept KeyboardInterrupt:\n    print('stopped')"
     caller = subprocess.Popen(
-        [sys.executable, str(FORKSERVER), "-c", stop], env=server, stdout=subprocess.PIPE,
+        [*PYTHON, "-c", stop], env=server, stdout=subprocess.PIPE,
         text=True, start_new_session=True,
     )  # fmt: skip
     time.sleep(2)
@@ -100,7 +98,7 @@ def test_signals_reach_the_program_and_a_killed_caller_takes_it_along(server):
 
     wait = "import os, time; print(os.getpid(), flush=True); time.sleep(300)"
     caller = subprocess.Popen(
-        [sys.executable, str(FORKSERVER), "-c", wait], env=server, stdout=subprocess.PIPE,
+        [*PYTHON, "-c", wait], env=server, stdout=subprocess.PIPE,
         text=True,
     )  # fmt: skip
     program = int(caller.stdout.readline())

@@ -16,15 +16,14 @@ import json
 import os
 import random
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from forkserver import PYTHON
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts" / "train_gpt2.py"
-FORKSERVER = ROOT / "tests" / "forkserver.py"
 TINY = (
     "--n-layers 1 --n-heads 2 --d-model 16 --block-size 16 --batch-size 8 --max-steps 6 "
     "--warmup-steps 2 --lr 3e-3 --eval-every 3 --eval-batches 2 --sample-tokens 0"
@@ -58,22 +57,19 @@ def one_process(tmp_path_factory) -> tuple[Path, list[str]]:
     text_file.write_text(text)
     common = [str(SCRIPT), "--text-file", str(text_file), "--device", "cpu", *TINY]
     one = folder / "one"
-    python = [sys.executable, str(FORKSERVER)]
-    run([*python, *common, "--checkpoint-dir", str(one), "--out", str(one)], folder)
+    run([*PYTHON, *common, "--checkpoint-dir", str(one), "--out", str(one)], folder)
     return folder, common
 
 
 # torchrun, and each rank as `python SCRIPT ...`, started through the fork server.
 TWO_PROCESSES = [
-    sys.executable,
-    str(FORKSERVER),
+    *PYTHON,
     "-m",
     "torch.distributed.run",
     "--standalone",
     "--nproc_per_node=2",
     "--no-python",
-    sys.executable,
-    str(FORKSERVER),
+    *PYTHON,
 ]
 
 

@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import ast
 import subprocess
-import sys
 from pathlib import Path
+
+from forkserver import PYTHON
 
 PACKAGE = Path(__file__).resolve().parents[1] / "src" / "transformer_course"
 SHARED = 0
@@ -150,7 +151,6 @@ sys.exit(1 if failed else 0)
 def test_every_module_imports_first_in_a_fresh_interpreter():
     """Imported on its own, before any other module of the package, each module loads: a circle
     would leave one of them half-initialised."""
-    python = [sys.executable, str(Path(__file__).with_name("forkserver.py"))]  # no re-import
-    command = [*python, "-c", FORK_EACH, *module_names()]
+    command = [*PYTHON, "-c", FORK_EACH, *module_names()]  # PYTHON: no import of torch again
     result = subprocess.run(command, capture_output=True, text=True)
     assert result.returncode == 0, result.stderr[-3000:]

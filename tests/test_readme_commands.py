@@ -29,16 +29,15 @@ import os
 import re
 import shlex
 import subprocess
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import torch
+from forkserver import PYTHON
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
-FORKSERVER = ROOT / "tests" / "forkserver.py"
 # The scripts whose docstrings' commands are checked too, and which must each have a run.
 SCRIPTS = sorted((ROOT / "benchmarks").glob("*.py")) + [ROOT / "scripts" / "train_gpt2.py"]
 CUDA = torch.cuda.is_available()
@@ -367,7 +366,7 @@ def runs(tmp_path_factory) -> Path:
 def test_command_runs_tiny_and_prints_its_result(entry: Run, runs: Path):
     argv = list(entry.argv)
     if argv[0] == "python":
-        argv[:1] = [sys.executable, str(FORKSERVER)]
+        argv[:1] = PYTHON
     env = {
         **os.environ,
         "HF_HUB_OFFLINE": "1",

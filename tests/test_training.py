@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from forkserver import PYTHON
 from torch import nn
 
 from transformer_course.attention import set_fast_path
@@ -37,8 +38,6 @@ from transformer_course.training import (
     save_checkpoint,
     train,
 )
-
-FORKSERVER = Path(__file__).with_name("forkserver.py")
 
 
 class Tiny(nn.Module):
@@ -483,9 +482,8 @@ def test_sigkilled_run_resumes_to_the_same_final_loss(tmp_path):
     script.write_text(textwrap.dedent(KILLABLE_RUN))
 
     def finish(folder: Path, delay: str = "0") -> str:
-        forked = [sys.executable, str(FORKSERVER)]  # `python`, without importing torch again
-        done = subprocess.run(
-            [*forked, str(script), str(folder), delay],
+        done = subprocess.run(  # PYTHON: `python`, without importing torch again
+            [*PYTHON, str(script), str(folder), delay],
             capture_output=True,
             text=True,
             timeout=120,
