@@ -10,7 +10,9 @@ runner tests the GPU kernels against known-good numbers. Tolerances:
   mantissa (relative rounding 0.4% per op); through two layers the CPU shows 0.7-1%.
 
 Also here: SDPA's flash kernel on the fast path with `causal=True` (no mask built), a few
-training steps under `torch.compile`, and a non-finite step skipped by the device's optimizer.
+training steps under `torch.compile`, a non-finite step skipped by the device's optimizer, and
+chapter 10's tools on a model on the device (training log, attribution, patching, ablation,
+circuits) against TransformerLens on the CPU.
 
 FlashAttention-2 in Triton, compiled for the GPU (tests/test_flash_attention_triton.py runs the
 same kernels in Triton's CPU interpreter), against SDPA and the course's `flash_attention` in
@@ -24,12 +26,14 @@ in float16, 0.9% in bf16). float32, whose matmuls run in full precision: `FLOAT3
 
 from __future__ import annotations
 
+import copy
 import math
 from contextlib import nullcontext
 
 import pytest
 import torch
 import torch.nn.functional as F
+import transformer_lens.patching as tl_patching
 
 # Helpers shared with the CPU-only reference tests (pytest puts tests/ on sys.path).
 from test_encoder_decoder import (
@@ -42,18 +46,31 @@ from test_encoder_decoder import (
 from test_gpt2 import TINY, hf_model
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
+from transformer_lens import FactoredMatrix
 
+from transformer_course.ablation import head_ablation_losses
 from transformer_course.attention import (
     MultiHeadAttention,
     scaled_dot_product_attention,
     set_fast_path,
 )
+from transformer_course.attention_only import (
+    AttentionOnlyConfig,
+    AttentionOnlyTransformer,
+    to_hooked_transformer,
+)
+from transformer_course.attribution import attribution_names, logit_attribution
+from transformer_course.circuits import full_ov_circuit, k_composition_scores
 from transformer_course.encoder_decoder import EncoderDecoderTransformer, Seq2SeqConfig
 from transformer_course.flash_attention import flash_attention
 from transformer_course.flash_attention_triton import flash_attention_triton
 from transformer_course.gpt2 import GPT2, GPT2Config, lm_loss
+from transformer_course.head_detectors import induction_scores, repeated_tokens
+from transformer_course.hooks import run_with_cache
+from transformer_course.induction import train_induction
 from transformer_course.layernorm import LayerNorm, RMSNorm
 from transformer_course.masking import causal_mask, combine_masks, padding_mask
+from transformer_course.patching import logit_difference, patch_head_all_pos, patch_residual
 from transformer_course.training import (
     CHECKPOINT_NAME,
     TrainConfig,
@@ -338,3 +355,63 @@ def test_a_non_finite_step_is_not_taken_on_the_device(device, fused, tmp_path):
     saved = read_checkpoint(tmp_path / CHECKPOINT_NAME)
     assert saved["step"] == 4  # written before step 4; nothing after it
     assert all(t.isfinite().all() for t in saved["model"].values())
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_interpretability_tools_on_the_device_match_transformer_lens(device):
+    """Chapter 10 as book page 10 runs it on a GPU: an attention-only model trained on the device,
+    then its attribution, patching, ablation and circuits; each result on the device (patching's
+    as TransformerLens puts its own) and equal, in float32, to TransformerLens on the CPU."""
+    cfg = AttentionOnlyConfig(
+        d_model=32, n_layers=2, n_heads=4, d_vocab=16, n_ctx=16, normalization_type=None,
+        init_range=0.1,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = AttentionOnlyTransformer(cfg).to(device)
+    run = train_induction(model, steps=3, batch_size=4, eval_every=2, seed=0)
+    assert run.steps == [0, 2, 3] and run.scores.shape == (3, 2, 4) and run.scores.isfinite().all()
+    model.eval()
+    reference = to_hooked_transformer(copy.deepcopy(model).cpu())
+    tokens = repeated_tokens(4, 4, cfg.d_vocab, seed=1)
+    corrupted = tokens.clone()
+    corrupted[:, 3] = (tokens[:, 3] + 1) % cfg.d_vocab
+    here, corrupted_here = to(device, tokens, corrupted)
+
+    def metric(logits):
+        answer, wrong = to(logits.device, tokens[:, 3], corrupted[:, 3])
+        return logit_difference(logits, answer, wrong, position=-2)
+
+    def close(actual, expected):
+        assert actual.device.type == device
+        torch.testing.assert_close(actual.detach().cpu(), expected, atol=FLOAT32_ATOL, rtol=0)
+
+    with torch.no_grad():
+        _, cache = run_with_cache(model, here, attribution_names(model))
+        parts, _ = logit_attribution(model, cache, here)
+        right = reference(tokens)[:, :-1].gather(-1, tokens[:, 1:, None])[..., 0]
+        close(parts.sum(0), right)
+        _, lens_cache = reference.run_with_cache(tokens)
+        name = "blocks.1.attn.hook_pattern"
+        _, cache = run_with_cache(model, here, [name])
+        close(induction_scores(cache[name], 4), induction_scores(lens_cache[name], 4))
+        lens_ov = FactoredMatrix(
+            reference.W_E @ reference.W_V[1, 2], reference.W_O[1, 2] @ reference.W_U
+        )
+        close(full_ov_circuit(model, 1, 2), lens_ov.AB)
+        k_scores = reference.all_composition_scores("K")[0, :, 1, :]
+        close(k_composition_scores(model), k_scores)
+    patched = patch_residual(model, here, corrupted_here, metric)
+    by_head = patch_head_all_pos(model, here, corrupted_here, metric)
+    close(patched, tl_patching.get_act_patch_resid_pre(reference, corrupted, lens_cache, metric))
+    lens_head = tl_patching.get_act_patch_attn_head_out_all_pos
+    close(by_head, lens_head(reference, corrupted, lens_cache, metric))
+    hooked = to_hooked_transformer(model)  # TransformerLens on the device, as on book page 10
+    _, device_cache = hooked.run_with_cache(here)
+    lens_patched = tl_patching.get_act_patch_resid_pre(hooked, corrupted_here, device_cache, metric)
+    assert (patched - lens_patched).abs().max() < FLOAT32_ATOL  # as book page 10 compares them
+    ablated = head_ablation_losses(model, here, kind="mean")
+    assert ablated.isfinite().all()
+    torch.testing.assert_close(
+        ablated, head_ablation_losses(copy.deepcopy(model).cpu(), tokens, kind="mean"),
+        atol=FLOAT32_ATOL, rtol=0,
+    )  # fmt: skip

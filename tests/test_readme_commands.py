@@ -384,3 +384,25 @@ def test_command_runs_tiny_and_prints_its_result(entry: Run, runs: Path):
     assert result.returncode == 0, f"exit {result.returncode}: {shown}"
     for pattern in entry.expect:
         assert re.search(pattern, output, flags=re.M), f"no line matches {pattern!r}: {shown}"
+
+
+def test_the_gpu_check_runs_every_notebook_once():
+    """`first` and `second` together run each notebook of book/, exercises/ and solutions/ once:
+    book 05 and 06 as pages, every other one in `notebooks`, a new chapter's too."""
+    result = subprocess.run(
+        ["bash", "scripts/gpu_check.sh", "--dry-run", "first", "second"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 0, result.stderr
+    listed = re.findall(r"^    (\S+\.ipynb)$", result.stdout, flags=re.M)
+    pages = re.findall(r"^::: page0[56] .* (book/\S+\.ipynb)$", result.stdout, flags=re.M)
+    every = sorted(
+        str(path.relative_to(ROOT))
+        for folder in ("book", "exercises", "solutions")
+        for path in (ROOT / folder).glob("*.ipynb")
+    )
+    assert pages == ["book/05_translation.ipynb", "book/06_gpt2.ipynb"], result.stdout
+    assert sorted(listed + pages) == every, result.stdout

@@ -361,7 +361,8 @@ keep(train_loop)
 # `generate` writes. The table says whose each part is (the optional KV cache, exercise
 # 6.13, comes after). The model is nanoGPT's "baby GPT" for CPUs (4 heads, width 128, a
 # context of 64 characters) with 2 layers where it has 4: in a run this short, two layers
-# learn more per second than four (the `full` profile trains all 4, for 5,000 steps). A loss
+# learn more per second than four (the `full` profile trains all 4, for 5,000 steps, on the
+# GPU when there is one: `get_device()`, with the batches moved there). A loss
 # of ln(65) ≈ 4.17 is a uniform guess over the 65 characters; 400 steps, well under a minute
 # on one CPU core, bring the best validation loss to 2.4 or less (the cell asserts it), and the
 # samples already take the play's layout: short lines, most of them starting with a capital
@@ -371,7 +372,7 @@ keep(train_loop)
 import re
 
 from transformer_course.data import load_text
-from transformer_course.runtime import by_profile
+from transformer_course.runtime import by_profile, get_device
 
 text = load_text("tinyshakespeare")
 chars = CharTokenizer(text)
@@ -379,6 +380,7 @@ data = torch.tensor(chars.encode(text))
 split = int(0.9 * len(data))
 train_data, val_data = data[:split], data[split:]
 
+device = get_device()
 run = by_profile(  # quick: a short run on one CPU core; full: the baby GPT, as nanoGPT trains it
     quick=dict(n_layers=2, steps=400, lr=3e-3, warmup=30, eval_every=100, eval_batches=20),
     full=dict(n_layers=4, steps=5000, lr=1e-3, warmup=100, eval_every=250, eval_batches=50),
@@ -387,7 +389,7 @@ seed_everything(0)
 config = GPT2Config(
     d_model=128, n_layers=run["n_layers"], n_heads=4, d_vocab=chars.vocab_size, n_ctx=64
 )
-model = set_fast_path(GPT2(config))
+model = set_fast_path(GPT2(config)).to(device)
 optimizer = torch.optim.AdamW(model.parameters(), lr=run["lr"], betas=(0.9, 0.99))
 whose_parts(globals(), chapter=6)
 
@@ -395,7 +397,8 @@ steps, batches = run["steps"], torch.Generator().manual_seed(1)
 
 
 def get_batch(step):
-    return sample_batch(train_data, 12, 64, generator=batches)
+    x, y = sample_batch(train_data, 12, 64, generator=batches)
+    return x.to(device), y.to(device)
 
 
 def evaluate(model):
@@ -414,6 +417,7 @@ history = train_loop(model, optimizer, get_batch, evaluate, max_steps=steps, lr_
 for record in history.evals:
     print(f"step {record['step']}: val loss {record['val_loss']:.3f}")
 model.load_state_dict(history.best_state)  # the best model, not the last
+model.cpu()  # back from the GPU, if it trained there: `generate` below draws on the CPU
 print(f"best: val loss {history.best['val_loss']:.3f} at step {history.best['step']}")
 target = by_profile(quick=2.4, full=1.9)  # a uniform guess is ln 65 = 4.17
 assert history.best["val_loss"] <= target, f"your GPT learns: best validation loss <= {target}"

@@ -9,7 +9,7 @@ the corruption destroyed (Meng et al., 2022; Wang et al., 2023; ARENA 1.3).
 
 Results equal `transformer_lens.patching`'s `get_act_patch_resid_pre`,
 `get_act_patch_attn_head_out_by_pos` and `get_act_patch_attn_head_out_all_pos` (head outputs
-are patched at `hook_z`, as there) on the same model and inputs.
+are patched at `hook_z`, as there) on the same model and inputs, on the same device.
 """
 
 from __future__ import annotations
@@ -85,7 +85,7 @@ def patch_residual(
     n_layers, pos = model.cfg.n_layers, clean_tokens.shape[-1]
     names = [f"blocks.{layer}.hook_resid_pre" for layer in range(n_layers)]
     clean = _clean_cache(model, clean_tokens, corrupted_tokens, names)
-    results = torch.zeros(n_layers, pos)
+    results = torch.zeros(n_layers, pos, device=clean_tokens.device)
     for layer, name in enumerate(names):
         for p in range(pos):
             where = (slice(None), p)
@@ -107,7 +107,7 @@ def patch_head_by_pos(
     n_layers, n_heads, pos = model.cfg.n_layers, model.cfg.n_heads, clean_tokens.shape[-1]
     names = [f"blocks.{layer}.attn.hook_z" for layer in range(n_layers)]
     clean = _clean_cache(model, clean_tokens, corrupted_tokens, names)
-    results = torch.zeros(n_layers, pos, n_heads)
+    results = torch.zeros(n_layers, pos, n_heads, device=clean_tokens.device)
     for layer, name in enumerate(names):
         for p in range(pos):
             for head in range(n_heads):
@@ -131,7 +131,7 @@ def patch_head_all_pos(
     n_layers, n_heads = model.cfg.n_layers, model.cfg.n_heads
     names = [f"blocks.{layer}.attn.hook_z" for layer in range(n_layers)]
     clean = _clean_cache(model, clean_tokens, corrupted_tokens, names)
-    results = torch.zeros(n_layers, n_heads)
+    results = torch.zeros(n_layers, n_heads, device=clean_tokens.device)
     for layer, name in enumerate(names):
         for head in range(n_heads):
             where = (slice(None), slice(None), head)
