@@ -360,8 +360,9 @@ def test_a_non_finite_step_is_not_taken_on_the_device(device, fused, tmp_path):
 @pytest.mark.parametrize("device", DEVICES)
 def test_interpretability_tools_on_the_device_match_transformer_lens(device):
     """Chapter 10 as book page 10 runs it on a GPU: an attention-only model trained on the device,
-    then its attribution, patching, ablation and circuits; each result on the device (patching's
-    as TransformerLens puts its own) and equal, in float32, to TransformerLens on the CPU."""
+    then its attribution, patching and circuits, each on the device (patching's as TransformerLens
+    puts its own) and equal, in float32, to TransformerLens on the CPU; mean-ablation equal to
+    the same on the CPU (TransformerLens has none)."""
     cfg = AttentionOnlyConfig(
         d_model=32, n_layers=2, n_heads=4, d_vocab=16, n_ctx=16, normalization_type=None,
         init_range=0.1,
